@@ -1,0 +1,45 @@
+"""mm3lab: MiniMax-M3's sparse paged attention (MSA), made visible.
+
+Every step of one MSA layer has a Triton kernel (exported here) and a readable
+pure-PyTorch twin of the same name in :mod:`mm3lab.reference`; the upstream
+vLLM entry points live in :mod:`mm3lab.compat.vllm`. ``SPEC.md``'s section
+numbers are quoted in the docstrings.
+
+How kernels run (compiled Triton, Triton's interpreter, or PyTorch) is decided
+once by :mod:`mm3lab.backend`, which must be imported before Triton; importing
+mm3lab does that.
+"""
+
+__version__ = "0.1.0"
+
+from . import backend  # noqa: E402  (first: sets TRITON_INTERPRET before any kernel module imports triton)
+from ._checks import validation, validation_enabled  # noqa: E402
+from .backend import get_backend, info, set_backend, use_backend  # noqa: E402
+from .constants import (  # noqa: E402
+    DEFAULT_TOPK,
+    PAGE16_SIDES_PER_BLOCK,
+    PAGE_SIZE,
+    PAGES_PER_SPARSE_BLOCK,
+    SPARSE_BLOCK_SIZE,
+)
+from .layout import (  # noqa: E402
+    LAYOUTS,
+    PagedKVCache,
+    PageLocation,
+    allocate_kv_cache,
+    check_kv_views,
+    kv_cache_layout,
+    locate_page,
+    page16_views,
+    page_ids_of_block,
+    rebase_block_table_to_page16,
+    rebase_slot_mapping_to_page16,
+    sides_are_packed,
+    slot_to_page,
+    sparse_block_page_stride,
+    write_kv_page16,
+)
+
+# --- sparse block table (SPEC section 3) ---
+# --- index cache and indexer (SPEC section 2, steps 1-3) ---
+# --- sparse paged attention and the MSA step (SPEC section 5) ---

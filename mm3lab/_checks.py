@@ -1,0 +1,114 @@
+"""Argument checks shared by every public entry point.
+
+Two kinds of check exist:
+
+* structural checks (rank, shape, dtype, device, contiguity) read only tensor
+  metadata and always run;
+* value checks (a block id past the block table, a seq_len the table cannot
+  hold) read tensor contents, which on a GPU means a device-to-host sync. They
+  run while validation is enabled (the default). Turn them off for CUDA-graph
+  capture with ``mm3lab.validation(False)`` (a context manager) or the
+  environment variable ``MM3LAB_VALIDATE=0``. The kernels mask every index they
+  read either way, so turning validation off can never cause an out-of-bounds
+  access: it only trades a clear ``ValueError`` for mm3lab's defined fallback.
+
+Errors name the argument (and, for value checks, the row).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Sequence
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_validate = os.environ.get("MM3LAB_VALIDATE", "1").strip() not in ("0", "false", "no", "off")
+
+
+def validation_enabled() -> bool:
+    """Whether value checks (those that read tensor contents) run."""
+    return _validate
+
+
+@contextlib.contextmanager
+def validation(enabled: bool):
+    """Context manager: turn value checks on or off for the enclosed calls."""
+    global _validate
+    previous = _validate
+    _validate = bool(enabled)
+    try:
+        yield
+    finally:
+        _validate = previous
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    ndim: int | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    shape: Sequence[int | None] | None = None,
+) -> torch.Tensor:
+    """Check type, rank, dtype and shape (``None`` in ``shape`` matches any size)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is None and shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {allowed}, got {str(t.dtype).replace('torch.', '')}")
+    if shape is not None:
+        for axis, (want, got) in enumerate(zip(shape, t.shape)):
+            if want is not None and want != got:
+                raise ValueError(
+                    f"{name}: expected shape {tuple('*' if s is None else s for s in shape)}, "
+                    f"got {tuple(t.shape)} (dimension {axis})"
+                )
+    return t
+
+
+def check_index(name: str, t, *, ndim: int | None = None, shape=None) -> torch.Tensor:
+    """An integer index tensor: int32 or int64."""
+    if isinstance(t, torch.Tensor) and t.dtype.is_floating_point:
+        raise TypeError(f"{name}: expected an int32 or int64 tensor of ids, got {str(t.dtype).replace('torch.', '')}")
+    return check_tensor(name, t, ndim=ndim, dtypes=INDEX_DTYPES, shape=shape)
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """All named tensors on one device; returns it."""
+    items = list(tensors.items())
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}: put them on one device")
+    return first.device
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
+
+
+def check_out(name: str, out: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, device) -> None:
+    """A caller-supplied output buffer: exact shape, dtype, device, contiguous."""
+    if out is None:
+        return
+    check_tensor(name, out, shape=tuple(shape), dtypes=(dtype,))
+    if out.device != torch.device(device):
+        raise ValueError(f"{name}: expected a tensor on {device}, got {out.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+
+
+def first_bad_row(mask: torch.Tensor) -> int | None:
+    """Index (along dim 0 of a flattened view) of the first True in ``mask``, or None."""
+    bad = mask.reshape(mask.shape[0], -1).any(dim=1) if mask.dim() > 1 else mask
+    idx = torch.nonzero(bad)
+    return int(idx[0, 0]) if idx.numel() else None

@@ -1,0 +1,1 @@
+"""Compatibility layers with the names and shapes of upstream serving engines."""

@@ -1,0 +1,61 @@
+"""Triton kernel: write K/V of N tokens into page-16 views of either layout."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..constants import PAGE_SIZE, SPARSE_BLOCK_SIZE
+
+
+@triton.jit
+def _write_kv_page16(
+    key_ptr,  # [N, H, D]
+    value_ptr,  # [N, H, D]
+    k_cache_ptr,  # [pages, 16, H, D] page-16 K view
+    v_cache_ptr,  # [pages(-8), 16, H, D] page-16 V view
+    slot_ptr,  # [N] page-128 slots, negative = padding
+    capacity,  # slots the cache holds: num_blocks * 128
+    stride_kn, stride_kh, stride_kd,
+    stride_vn, stride_vh, stride_vd,
+    stride_kcp, stride_kcr, stride_kch,  # k_cache strides (page, row, head); head dim contiguous
+    stride_vcp, stride_vcr, stride_vch,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_PAGE_STRIDE: tl.constexpr,  # page ids per physical block: 8 dense, 16 packed
+    SPARSE_BLOCK: tl.constexpr,
+    PAGE: tl.constexpr,
+):
+    n = tl.program_id(0)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    block = slot // SPARSE_BLOCK
+    off = slot % SPARSE_BLOCK
+    page = block * BLOCK_PAGE_STRIDE + off // PAGE
+    row = off % PAGE
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    in_slot = (slot >= 0) & (slot < capacity)
+    mask = (heads < H) & (dims < D) & (tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int1) | in_slot)
+    k = tl.load(key_ptr + n * stride_kn + heads * stride_kh + dims * stride_kd, mask=mask)
+    v = tl.load(value_ptr + n * stride_vn + heads * stride_vh + dims * stride_vd, mask=mask)
+    tl.store(k_cache_ptr + page * stride_kcp + row * stride_kcr + heads * stride_kch + dims, k, mask=mask)
+    tl.store(v_cache_ptr + page * stride_vcp + row * stride_vcr + heads * stride_vch + dims, v, mask=mask)
+
+
+def write_kv_page16_kernel(key, value, k_cache, v_cache, slot_mapping, block_page_stride: int) -> None:
+    """Launch one program per token (arguments already validated)."""
+    n, h, d = key.shape
+    capacity = (k_cache.shape[0] // block_page_stride) * SPARSE_BLOCK_SIZE
+    _write_kv_page16[(n,)](
+        key, value, k_cache, v_cache, slot_mapping, capacity,
+        *key.stride(), *value.stride(),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        H=h, D=d,
+        BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_PAGE_STRIDE=block_page_stride, SPARSE_BLOCK=SPARSE_BLOCK_SIZE, PAGE=PAGE_SIZE,
+    )
+
+
+__all__ = ["write_kv_page16_kernel"]

@@ -1,0 +1,51 @@
+"""Shared fixtures: devices, backends, hypothesis profiles.
+
+* ``device``: ``"cpu"`` always, plus ``"cuda"`` (marked ``gpu``) where a GPU is present.
+  On CPU, kernels run in Triton's interpreter; on CUDA, compiled.
+* ``-m gpu`` selects only the CUDA cases: that is the GPU test run.
+* Hypothesis: profile ``ci`` (default) keeps CPU runs bounded; ``MM3LAB_HYPOTHESIS=thorough``
+  runs more examples.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import mm3lab  # noqa: F401  (sets the backend before triton is imported)
+
+HAS_CUDA = torch.cuda.is_available()
+
+settings.register_profile(
+    "ci",
+    max_examples=int(os.environ.get("MM3LAB_HYPOTHESIS_EXAMPLES", "60")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=True,
+)
+settings.register_profile(
+    "thorough", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("MM3LAB_HYPOTHESIS", "ci"))
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """Run a test on the CPU (interpreted kernels) and, where present, the GPU (compiled)."""
+    return request.param
+
+
+@pytest.fixture
+def kernel_backend():
+    """The backend whose kernels run on this machine: 'triton' on a GPU, 'interpret' without."""
+    return "interpret" if mm3lab.backend.INTERPRETER else "triton"
