@@ -83,7 +83,7 @@ def rebase_block_table_to_page16(block_table: torch.Tensor, out: torch.Tensor | 
     """
     check_rebase_block_table(block_table, out)
     if out is None:
-        return block_table * PAGE16_SIDES_PER_BLOCK
+        return (block_table * PAGE16_SIDES_PER_BLOCK).contiguous()
     return torch.mul(block_table, PAGE16_SIDES_PER_BLOCK, out=out)
 
 
@@ -91,11 +91,18 @@ def rebase_slot_mapping_to_page16(slots: torch.Tensor) -> torch.Tensor:
     """Double only the block part of each slot: ``s + (max(s, 0) // 128) * 128``.
 
     ``[-1, 0, 127, 128, 129, 255, 256] -> [-1, 0, 127, 256, 257, 383, 512]``;
-    negative (padding) slots pass through unchanged.
+    negative (padding) slots pass through unchanged. The rebased slot is the
+    token's row in the packed views seen as flat token lists,
+    ``k_cache.flatten(0, 1)[s']`` and ``v_cache.flatten(0, 1)[s']``, which is
+    what a page-16 writer that computes ``page = s' // 16, row = s' % 16``
+    (8 pages per block hard-coded) needs to write into the packed layout.
+
+    Args:
+        slots: int32/int64 tensor of page-128 slots, any shape (usually ``[N]``).
     """
     check_index("slots", slots)
     block = torch.div(slots.clamp(min=0), SPARSE_BLOCK_SIZE, rounding_mode="floor")
-    return slots + block * SPARSE_BLOCK_SIZE
+    return (slots + block * SPARSE_BLOCK_SIZE).contiguous()
 
 
 def write_kv_page16(
@@ -107,6 +114,7 @@ def write_kv_page16(
     row ``off % 16``: K through ``k_cache``, V through ``v_cache``. A negative slot
     is padding (nothing written). A slot past the cache is never written, and
     while validation is on it raises ``ValueError`` before anything is written.
+    If two tokens name the same slot, which one lands there is unspecified.
 
     Args:
         key, value: ``[N, H, D]`` in the cache's dtype.

@@ -16,6 +16,7 @@ def _write_kv_page16(
     v_cache_ptr,  # [pages(-8), 16, H, D] page-16 V view
     slot_ptr,  # [N] page-128 slots, negative = padding
     capacity,  # slots the cache holds: num_blocks * 128
+    stride_s,  # slot_mapping stride (it may be a strided view)
     stride_kn, stride_kh, stride_kd,
     stride_vn, stride_vh, stride_vd,
     stride_kcp, stride_kcr, stride_kch,  # k_cache strides (page, row, head); head dim contiguous
@@ -28,16 +29,19 @@ def _write_kv_page16(
     SPARSE_BLOCK: tl.constexpr,
     PAGE: tl.constexpr,
 ):
-    n = tl.program_id(0)
-    slot = tl.load(slot_ptr + n).to(tl.int64)
-    block = slot // SPARSE_BLOCK
-    off = slot % SPARSE_BLOCK
-    page = block * BLOCK_PAGE_STRIDE + off // PAGE
-    row = off % PAGE
+    n = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    in_slot = (slot >= 0) & (slot < capacity)
-    mask = (heads < H) & (dims < D) & (tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int1) | in_slot)
+    # The slot broadcast to the [BLOCK_H, BLOCK_D] tile, so every mask term is a
+    # vector comparison (a scalar bool mixed into a vector mask is not portable).
+    slot = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + tl.load(slot_ptr + n * stride_s).to(tl.int64)
+    in_slot = (slot >= 0) & (slot < capacity)  # negative = padding; past the cache = never written
+    safe = tl.where(in_slot, slot, 0)
+    block = safe // SPARSE_BLOCK
+    off = safe % SPARSE_BLOCK
+    page = block * BLOCK_PAGE_STRIDE + off // PAGE
+    row = off % PAGE
+    mask = (heads < H) & (dims < D) & in_slot
     k = tl.load(key_ptr + n * stride_kn + heads * stride_kh + dims * stride_kd, mask=mask)
     v = tl.load(value_ptr + n * stride_vn + heads * stride_vh + dims * stride_vd, mask=mask)
     tl.store(k_cache_ptr + page * stride_kcp + row * stride_kcr + heads * stride_kch + dims, k, mask=mask)
@@ -49,7 +53,7 @@ def write_kv_page16_kernel(key, value, k_cache, v_cache, slot_mapping, block_pag
     n, h, d = key.shape
     capacity = (k_cache.shape[0] // block_page_stride) * SPARSE_BLOCK_SIZE
     _write_kv_page16[(n,)](
-        key, value, k_cache, v_cache, slot_mapping, capacity,
+        key, value, k_cache, v_cache, slot_mapping, capacity, slot_mapping.stride(0),
         *key.stride(), *value.stride(),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         H=h, D=d,

@@ -1,0 +1,120 @@
+"""Pictures and tables of committed benchmark results (``benchmarks/results/<gpu>.json``).
+
+Everything here reads the JSON the benchmarks write; nothing is timed, so the
+results notebook runs anywhere and shows the GPU's numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def load_results(path: str | Path | None = None) -> dict:
+    """The results file: ``{"meta": {...}, "records": [...]}`` (the only file in the folder by default)."""
+    if path is None:
+        files = sorted(RESULTS_DIR.glob("*.json"))
+        if not files:
+            raise FileNotFoundError(f"no benchmark results in {RESULTS_DIR}; run python3 -m benchmarks on a GPU")
+        path = files[0]
+    return json.loads(Path(path).read_text())
+
+
+def records(results: dict, name: str, baseline: str | None = None) -> list[dict]:
+    """Records of one benchmark (optionally one baseline), in file order."""
+    return [r for r in results["records"] if r["name"] == name and (baseline is None or r["baseline"] == baseline)]
+
+
+def _shape_text(shape: dict, keys=None) -> str:
+    keys = keys or list(shape)
+    return " ".join(f"{k}={shape[k]}" for k in keys if k in shape)
+
+
+def summary_table(results: dict) -> str:
+    """One line per record: time, baseline, speedup, achieved bandwidth (rounded; deterministic text)."""
+    meta = results["meta"]
+    lines = [
+        f"GPU {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, copy bandwidth {meta['copy_TBps']:.2f} TB/s",
+        f"{'benchmark':<32} {'shape':<44} {'us':>9} {'baseline':<24} {'base us':>9} {'speedup':>8} {'% copy bw':>9}",
+    ]
+    for r in results["records"]:
+        if r["name"].startswith(("copy_", "launch_")):
+            continue
+        base = r["baseline"] or "-"
+        base_us = f"{1e3 * r['baseline_ms']:.1f}" if r["baseline_ms"] is not None else "-"
+        speed = f"{r['speedup']:.1f}x" if r["speedup"] is not None else "-"
+        frac = f"{100 * r['fraction_of_copy_bw']:.0f}%" if r["fraction_of_copy_bw"] is not None else "-"
+        lines.append(
+            f"{r['name']:<32} {_shape_text(r['shape'])[:44]:<44} {1e3 * r['ms']:>9.1f} {base:<24} {base_us:>9} {speed:>8} {frac:>9}"
+        )
+    return "\n".join(lines)
+
+
+def plot_roofline(results: dict):
+    """Achieved bandwidth of every bandwidth-bound record against the measured copy bandwidth."""
+    copy = results["meta"]["copy_TBps"]
+    rows = [
+        r
+        for r in results["records"]
+        if r["achieved_TBps"] is not None and not r["name"].startswith(("copy_", "launch_"))
+        and r["baseline"] in (None, "naive_gather_sdpa", "torch_ops", "torch_einsum_amax_topk", "torch_index_copy", "torch.topk", "dense_sdpa")
+    ]
+    seen, uniq = set(), []
+    for r in rows:
+        key = (r["name"], json.dumps(r["shape"], sort_keys=True))
+        if key not in seen:
+            seen.add(key)
+            uniq.append(r)
+    fig, ax = plt.subplots(figsize=(9, max(3, 0.32 * len(uniq) + 1)))
+    labels = [f"{r['name']}  {_shape_text(r['shape'], ['batch', 'rows', 'tokens', 'chunk', 'layout'])}" for r in uniq]
+    values = [r["achieved_TBps"] for r in uniq]
+    ax.barh(range(len(uniq)), values, color="tab:blue")
+    ax.axvline(copy, color="tab:red", linestyle="--", label=f"copy bandwidth {copy:.2f} TB/s")
+    ax.set_yticks(range(len(uniq)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("achieved TB/s on the bytes the kernel must move")
+    ax.set_title(f"Bandwidth against the copy roofline ({results['meta']['gpu']})")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_decode_times(results: dict):
+    """Attention decode time per batch: mm3lab sparse, naive gather + SDPA, dense SDPA over the full context."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ours = [r for r in records(results, "attention_decode", "naive_gather_sdpa") if r["shape"].get("layout") == "dense"]
+    dense = {r["shape"]["batch"]: r["baseline_ms"] for r in records(results, "attention_decode", "dense_sdpa")}
+    batches = [r["shape"]["batch"] for r in ours]
+    width = 0.27
+    xs = range(len(batches))
+    ax.bar([x - width for x in xs], [1e3 * r["ms"] for r in ours], width, label="mm3lab sparse_attention")
+    ax.bar(list(xs), [1e3 * r["baseline_ms"] for r in ours], width, label="gather + SDPA")
+    ax.bar([x + width for x in xs], [1e3 * dense.get(b, float("nan")) for b in batches], width, label="dense SDPA (full context)")
+    ax.set_xticks(list(xs), [f"batch {b}" for b in batches])
+    ax.set_yscale("log")
+    ax.set_ylabel("microseconds (log)")
+    ctx_len = ours[0]["shape"]["context"] if ours else 0
+    ax.set_title(f"Decode attention at {ctx_len // 1024}K context, top-k 16")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_speedups(results: dict):
+    """Speedup over each record's baseline (log scale)."""
+    rows = [r for r in results["records"] if r["speedup"] is not None]
+    fig, ax = plt.subplots(figsize=(9, max(3, 0.3 * len(rows) + 1)))
+    labels = [f"{r['name']} vs {r['baseline']}  {_shape_text(r['shape'], ['batch', 'rows', 'tokens', 'chunk', 'layout'])}" for r in rows]
+    ax.barh(range(len(rows)), [r["speedup"] for r in rows], color=["tab:green" if r["speedup"] >= 1 else "tab:red" for r in rows])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup over the baseline (log)")
+    ax.set_title("mm3lab kernels against baselines measured in the same run")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,170 @@
+"""mm3lab.backend: one place decides how kernels run (compiled Triton, interpreter, PyTorch)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mm3lab
+from mm3lab import backend, reference
+from mm3lab.layout import kernel as layout_kernel
+from mm3lab.layout import reference as layout_reference
+from mm3lab.testing import assert_equal_int
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def test_get_backend_is_a_known_backend():
+    assert mm3lab.get_backend() in backend.BACKENDS
+    assert mm3lab.get_backend() == backend.get_backend()
+    assert set(backend.available_backends()) <= set(backend.BACKENDS)
+    assert "torch" in backend.available_backends()
+    assert mm3lab.get_backend() in backend.available_backends()
+
+
+def test_default_backend_matches_the_machine():
+    if os.environ.get(backend.ENV_VAR):
+        pytest.skip(f"{backend.ENV_VAR} is set for this run")
+    assert mm3lab.get_backend() == ("triton" if HAS_CUDA else "interpret")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only set-up")
+def test_interpreter_is_on_without_a_gpu():
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    assert backend.INTERPRETER
+    assert backend.available_backends() == ("interpret", "torch")
+
+
+def test_set_and_use_backend_restore():
+    before = mm3lab.get_backend()
+    with mm3lab.use_backend("torch"):
+        assert mm3lab.get_backend() == "torch"
+        assert not backend.use_kernel(torch.zeros(1))
+    assert mm3lab.get_backend() == before
+    with pytest.raises(RuntimeError):
+        with mm3lab.use_backend("torch"):
+            raise RuntimeError("inside")
+    assert mm3lab.get_backend() == before
+    mm3lab.set_backend("torch")
+    try:
+        assert mm3lab.get_backend() == "torch"
+    finally:
+        mm3lab.set_backend(before)
+
+
+@pytest.mark.parametrize("name", ["cuda", "TORCH", "", "numpy"])
+def test_bad_backend_names_raise(name):
+    before = mm3lab.get_backend()
+    with pytest.raises(ValueError, match="backend"):
+        mm3lab.set_backend(name)
+    assert mm3lab.get_backend() == before
+
+
+def test_unavailable_backend_raises_clearly():
+    missing = "triton" if backend.INTERPRETER else "interpret"
+    with pytest.raises(ValueError, match=f"backend '{missing}' is not available"):
+        mm3lab.set_backend(missing)
+
+
+def test_info_keys():
+    data = mm3lab.info()
+    for key in ("mm3lab", "python", "torch", "triton", "cuda_available", "device", "backend",
+                "triton_interpreter", "available_backends"):
+        assert key in data, key
+    assert data["backend"] == mm3lab.get_backend()
+    assert data["cuda_available"] is HAS_CUDA
+    assert data["mm3lab"] == mm3lab.__version__
+    assert data["triton_interpreter"] is backend.INTERPRETER
+
+
+def test_use_kernel_rules(kernel_backend):
+    cpu = torch.zeros(1)
+    with mm3lab.use_backend(kernel_backend):
+        # compiled Triton needs CUDA memory: CPU tensors take the PyTorch path there
+        assert backend.use_kernel(cpu) is (kernel_backend == "interpret")
+        if HAS_CUDA:
+            assert backend.use_kernel(cpu.cuda())
+    with mm3lab.use_backend("torch"):
+        assert not backend.use_kernel(cpu)
+
+
+def _write_case(device):
+    cache = mm3lab.allocate_kv_cache(2, 2, 8, "packed", device=device, fill=0.0)
+    key = torch.arange(4 * 2 * 8, dtype=torch.float32, device=device).reshape(4, 2, 8)
+    slots = torch.tensor([0, 130, -1, 255], device=device)
+    return cache, key, slots
+
+
+def test_torch_backend_routes_write_kv_through_the_reference(device, monkeypatch):
+    calls = {"kernel": 0, "reference": 0}
+
+    def no_kernel(*args, **kwargs):
+        calls["kernel"] += 1
+        raise AssertionError("the Triton kernel ran on the torch backend")
+
+    real_reference = layout_reference.write_kv_page16
+
+    def spy(*args, **kwargs):
+        calls["reference"] += 1
+        return real_reference(*args, **kwargs)
+
+    monkeypatch.setattr(layout_kernel, "write_kv_page16_kernel", no_kernel)
+    monkeypatch.setattr(layout_reference, "write_kv_page16", spy)
+    cache, key, slots = _write_case(device)
+    with mm3lab.use_backend("torch"):
+        mm3lab.write_kv_page16(key, key + 1, cache.k_cache, cache.v_cache, slots)
+    assert calls == {"kernel": 0, "reference": 1}
+
+
+def test_kernel_backend_runs_the_kernel_and_agrees(device, kernel_backend, monkeypatch):
+    calls = []
+    real_kernel = layout_kernel.write_kv_page16_kernel
+    monkeypatch.setattr(layout_kernel, "write_kv_page16_kernel", lambda *a: calls.append(1) or real_kernel(*a))
+    results = {}
+    for name in (kernel_backend, "torch"):
+        cache, key, slots = _write_case(device)
+        with mm3lab.use_backend(name):
+            mm3lab.write_kv_page16(key, key + 1, cache.k_cache, cache.v_cache, slots)
+        results[name] = cache.kv
+    # compiled Triton takes CUDA tensors only; CPU tensors go to the PyTorch path there
+    expected = [1] if (kernel_backend == "interpret" or device == "cuda") else []
+    assert calls == expected, "the kernel path did not dispatch as documented"
+    assert_equal_int(results[kernel_backend].view(torch.int32), results["torch"].view(torch.int32), "kv")
+    # and the reference module agrees with both
+    cache, key, slots = _write_case(device)
+    reference.write_kv_page16(key, key + 1, cache.k_cache, cache.v_cache, slots)
+    assert torch.equal(cache.kv, results["torch"])
+
+
+def _python(code: str, backend_value: str | None):
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if backend_value is None:
+        env.pop(backend.ENV_VAR, None)
+    else:
+        env[backend.ENV_VAR] = backend_value
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_env_var_selects_the_torch_backend():
+    out = _python("import mm3lab; print(mm3lab.get_backend())", "torch")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "torch"
+
+
+def test_env_var_bad_value_fails_clearly():
+    out = _python("import mm3lab", "fast")
+    assert out.returncode != 0
+    assert "MM3LAB_BACKEND='fast'" in out.stderr
+    assert "triton, interpret, torch" in out.stderr
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only set-up")
+def test_env_var_triton_without_a_gpu_fails_clearly():
+    out = _python("import mm3lab", "triton")
+    assert out.returncode != 0
+    assert "needs a CUDA GPU" in out.stderr

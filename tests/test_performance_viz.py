@@ -1,0 +1,61 @@
+"""The results notebook's pictures and table, on a small results dict shaped like the benchmarks' output."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+from mm3lab.viz import performance  # noqa: E402
+
+
+def _record(name, shape, ms, baseline=None, baseline_ms=None, tbps=None):
+    return {
+        "name": name, "gpu": "GPU", "torch": "t", "triton": "tr", "shape": shape, "ms": ms,
+        "baseline": baseline, "baseline_ms": baseline_ms,
+        "speedup": None if baseline_ms is None else baseline_ms / ms,
+        "bytes": None if tbps is None else int(tbps * 1e12 * ms * 1e-3),
+        "achieved_TBps": tbps, "fraction_of_copy_bw": None if tbps is None else tbps / 4.0,
+    }
+
+
+RESULTS = {
+    "meta": {"gpu": "GPU", "torch": "t", "triton": "tr", "copy_TBps": 4.0},
+    "records": [
+        _record("copy_bandwidth", {"bytes": 1}, 1.0, tbps=4.0),
+        _record("attention_decode", {"batch": 1, "context": 131072, "layout": "dense"}, 0.01, "naive_gather_sdpa", 0.1, 1.0),
+        _record("attention_decode", {"batch": 1, "context": 131072, "layout": "dense"}, 0.01, "dense_sdpa", 0.5, 1.0),
+        _record("attention_decode", {"batch": 64, "context": 131072, "layout": "dense"}, 0.1, "naive_gather_sdpa", 1.5, 3.0),
+        _record("attention_decode", {"batch": 64, "context": 131072, "layout": "dense"}, 0.1, "dense_sdpa", 3.6, 3.0),
+        _record("block_table_decode", {"rows": 256}, 0.005, "torch_ops", 0.5, 0.1),
+    ],
+}
+
+
+def test_summary_table_lists_every_kernel_record():
+    text = performance.summary_table(RESULTS)
+    assert "copy bandwidth 4.00 TB/s" in text
+    assert text.count("attention_decode") == 4
+    assert "100.0x" in text  # block table: 0.5 ms / 0.005 ms
+    assert "copy_bandwidth" not in text
+
+
+def test_plots_draw_what_the_records_hold():
+    fig = performance.plot_roofline(RESULTS)
+    ax = fig.axes[0]
+    assert len(ax.patches) == 3  # one bar per (name, shape)
+    assert "4.00 TB/s" in ax.get_legend().get_texts()[0].get_text()
+    fig = performance.plot_decode_times(RESULTS)
+    assert len(fig.axes[0].patches) == 6  # 2 batches x 3 methods
+    assert "128K" in fig.axes[0].get_title()
+    fig = performance.plot_speedups(RESULTS)
+    assert len(fig.axes[0].patches) == 5
+
+
+def test_load_results_reads_a_file(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(RESULTS))
+    assert performance.load_results(path)["meta"]["copy_TBps"] == 4.0
+    assert len(performance.records(RESULTS, "attention_decode", "dense_sdpa")) == 2
