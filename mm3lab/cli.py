@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_lab)
 
     # --- text explainers (one add_parser per topic) ---
+    from .explain import add_explain_parser
+
+    add_explain_parser(sub)  # mm3lab explain: one sparse block table row, its pages and ctx (SPEC section 3)
     return parser
 
 

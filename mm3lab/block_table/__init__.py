@@ -1,0 +1,157 @@
+"""The sparse block table (SPEC section 3): selected logical blocks -> a row of page-16 ids.
+
+For each query row and KV head, the top-k selected logical blocks become a
+fixed-width row of ``topk * 8`` physical page ids with the **causal tail block
+last**, plus ``sparse_ctx``, the number of tokens the row attends. Full blocks
+contribute 8 whole pages each, so the only partial page is the last one, and
+the attention kernel's ordinary context-length mask *is* the causal mask.
+
+Decode rows take their position from ``seq_lens`` (with ``decode_query_len > 1``
+a request's query tokens are the last positions of its sequence: row
+``n = r * dql + i`` is at ``p = seq_lens[r] - dql + i``); prefill rows carry a
+request id and an absolute position each. A negative position is a padded row:
+all zeros, ``ctx = 0``.
+
+mm3lab's definitions where upstream is undefined: a block named twice is
+attended once (first occurrence kept, every entry past the used pages 0), and a
+block id at or past the block table's width is never read.
+
+Validation (on by default) raises ``ValueError`` naming the argument and row for
+a block id past the table, a ``seq_len``/position the table cannot hold and a
+request id out of range; it costs one device sync. Turn it off for CUDA-graph
+capture with ``mm3lab.validation(False)`` and pass ``out=`` buffers; the kernel
+then treats such ids as not selected and such rows as padded, and still reads
+nothing out of bounds.
+
+``reference.py`` is the specification (loops, and the row helpers
+``plan_sparse_row``, ``attended_tokens``, ``decode_positions``); ``kernel.py``
+the Triton kernel and its reusable device function ``emit_sparse_block_table_row``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import backend
+from ..constants import PAGES_PER_SPARSE_BLOCK
+from . import reference
+from .checks import BLOCK_PAGE_STRIDES, check_decode, check_prefill
+from .reference import (
+    SparseRow,
+    attended_ranges,
+    attended_tokens,
+    decode_positions,
+    plan_sparse_row,
+    sparse_block_table_row,
+)
+
+__all__ = [
+    "BLOCK_PAGE_STRIDES",
+    "SparseRow",
+    "attended_ranges",
+    "attended_tokens",
+    "build_sparse_block_table_decode",
+    "build_sparse_block_table_prefill",
+    "decode_positions",
+    "plan_sparse_row",
+    "sparse_block_table_row",
+]
+
+
+def _outputs(topk_idx: torch.Tensor, out):
+    if out is not None:
+        return out[0], out[1]
+    h, n, k = topk_idx.shape
+    sparse_bt = torch.empty(h, n, k * PAGES_PER_SPARSE_BLOCK, dtype=torch.int32, device=topk_idx.device)
+    sparse_ctx = torch.empty(h, n, dtype=torch.int32, device=topk_idx.device)
+    return sparse_bt, sparse_ctx
+
+
+def build_sparse_block_table_decode(
+    topk_idx: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    decode_query_len: int = 1,
+    block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse block table of decode (and speculative-decode) rows, one kernel launch.
+
+    Row ``n = r * decode_query_len + i`` is query ``i`` of request ``r``, at position
+    ``p = seq_lens[r] - decode_query_len + i`` (negative = padded row).
+
+    Args:
+        topk_idx: ``[H, N, K]`` int32/int64 selected logical blocks (``-1`` = padding),
+            ``N = B * decode_query_len``; any strides (e.g. a ``[N, H, K]`` buffer
+            transposed), read without a copy.
+        block_table: ``[B, M]`` int32/int64 logical -> physical block of each request.
+        seq_lens: ``[B]`` int32/int64 tokens per request, the decode queries included.
+        decode_query_len: query tokens per request (``> 1`` for speculative decode).
+        block_page_stride: page ids per physical block: 8 (dense planes) or 16 (packed
+            sides), see :func:`mm3lab.sparse_block_page_stride`.
+        out: optional ``(sparse_bt, sparse_ctx)`` contiguous int32 buffers of the output
+            shapes, written in place and returned (for CUDA-graph capture).
+    Returns:
+        ``sparse_bt [H, N, K * 8]`` int32 page ids, causal tail block last, zeros past the
+        used pages; ``sparse_ctx [H, N]`` int32 tokens attended.
+    Raises:
+        TypeError: float ids, a non-int ``decode_query_len``/``block_page_stride``.
+        ValueError: wrong ranks or shapes, ``N != B * decode_query_len``, devices that
+            differ, bad ``out``; with validation on, a block id ``>= M`` (names
+            ``topk_idx``, head and row) or a ``seq_len > M * 128`` (names ``seq_lens`` and
+            the request).
+    """
+    check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out)
+    if not backend.use_kernel(topk_idx, block_table, seq_lens):
+        return reference.build_sparse_block_table_decode(
+            topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out=out
+        )
+    from .kernel import build_sparse_block_table_decode_kernel
+
+    sparse_bt, sparse_ctx = _outputs(topk_idx, out)
+    build_sparse_block_table_decode_kernel(
+        topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, sparse_bt, sparse_ctx
+    )
+    return sparse_bt, sparse_ctx
+
+
+def build_sparse_block_table_prefill(
+    topk_idx: torch.Tensor,
+    block_table: torch.Tensor,
+    query_req_id: torch.Tensor,
+    query_abs_pos: torch.Tensor,
+    block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse block table of prefill rows (each with its own request and position), one launch.
+
+    Args:
+        topk_idx: ``[H, N, K]`` int32/int64 selected logical blocks (``-1`` = padding), any strides.
+        block_table: ``[B, M]`` int32/int64 logical -> physical block of each request.
+        query_req_id: ``[N]`` int32/int64 request of each row (ignored on padded rows).
+        query_abs_pos: ``[N]`` int32/int64 absolute position of each row; negative = padded row.
+        block_page_stride: 8 (dense planes) or 16 (packed sides).
+        out: optional ``(sparse_bt, sparse_ctx)`` contiguous int32 buffers, written and returned.
+    Returns:
+        ``sparse_bt [H, N, K * 8]`` int32, ``sparse_ctx [H, N]`` int32, as the decode table.
+    Raises:
+        TypeError / ValueError: as the decode table; with validation on, a request id
+        outside ``[0, B)`` on a row with ``p >= 0`` (names ``query_req_id`` and the row),
+        a position ``>= M * 128`` (names ``query_abs_pos``) or a block id ``>= M``. With
+        validation off a row whose request id is out of range is treated as padded, and
+        a block past the table as not selected.
+    """
+    check_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride, out)
+    if not backend.use_kernel(topk_idx, block_table, query_req_id, query_abs_pos):
+        return reference.build_sparse_block_table_prefill(
+            topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride, out=out
+        )
+    from .kernel import build_sparse_block_table_prefill_kernel
+
+    sparse_bt, sparse_ctx = _outputs(topk_idx, out)
+    build_sparse_block_table_prefill_kernel(
+        topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride, sparse_bt, sparse_ctx
+    )
+    return sparse_bt, sparse_ctx

@@ -1,0 +1,149 @@
+"""Argument checks of the sparse block table entry points, shared by the kernel path and the reference.
+
+Structural checks (ranks, shapes, dtypes, devices, ``out`` buffers) always run.
+Value checks (a block id past the block table, a position the table cannot
+hold, a request id out of range) read tensor contents and run only while
+``mm3lab.validation_enabled()``; they cost one device-to-host sync in all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_index, check_out, check_same_device, first_bad_row, validation_enabled
+from ..constants import PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
+from ..layout.views import DENSE_STRIDE, PACKED_STRIDE
+
+BLOCK_PAGE_STRIDES = (DENSE_STRIDE, PACKED_STRIDE)
+"""Page ids per physical block: 8 (dense planes) or 16 (packed sides)."""
+
+
+def _check_int(name: str, value, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a Python int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def _check_stride(block_page_stride) -> int:
+    if isinstance(block_page_stride, bool) or not isinstance(block_page_stride, int):
+        raise TypeError(f"block_page_stride: expected a Python int (8 or 16), got {type(block_page_stride).__name__}")
+    if block_page_stride not in BLOCK_PAGE_STRIDES:
+        raise ValueError(
+            f"block_page_stride: expected {DENSE_STRIDE} (dense planes) or {PACKED_STRIDE} (packed sides), "
+            f"got {block_page_stride}"
+        )
+    return block_page_stride
+
+
+def _check_outputs(out, h: int, n: int, k: int, device) -> None:
+    if out is None:
+        return
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError("out: expected a pair (sparse_bt, sparse_ctx) of int32 tensors")
+    sparse_bt, sparse_ctx = out
+    check_out("out[0] (sparse_bt)", sparse_bt, (h, n, k * PAGES_PER_SPARSE_BLOCK), torch.int32, device)
+    check_out("out[1] (sparse_ctx)", sparse_ctx, (h, n), torch.int32, device)
+
+
+def _check_common(topk_idx, block_table, block_page_stride, out):
+    check_index("topk_idx", topk_idx, ndim=3)
+    check_index("block_table", block_table, ndim=2)
+    _check_stride(block_page_stride)
+    h, n, k = topk_idx.shape
+    _check_outputs(out, h, n, k, topk_idx.device)
+    return h, n, k
+
+
+def _raise_first(checks) -> None:
+    """``checks``: ``(mask, message(row))`` pairs; raise for the first mask with a True (one sync in all)."""
+    if not checks:
+        return
+    anys = torch.stack([mask.any() for mask, _ in checks]).tolist()
+    for (mask, message), bad in zip(checks, anys):
+        if bad:
+            raise ValueError(message(first_bad_row(mask)))
+
+
+def _topk_past_table(topk_idx: torch.Tensor, width: int):
+    """An id at or past the block table's width, reported as (head, row)."""
+    h, n, k = topk_idx.shape
+    mask = (topk_idx >= width).reshape(h * n, k)
+
+    def message(flat: int) -> str:
+        head, row = divmod(flat, n)
+        ids = topk_idx[head, row].tolist()
+        bad = next(b for b in ids if b >= width)
+        return (
+            f"topk_idx: head {head}, row {row} selects block {bad}, past the block table's {width} blocks "
+            f"(row {ids})"
+        )
+
+    return mask, message
+
+
+def check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out) -> None:
+    """Validate ``build_sparse_block_table_decode``'s arguments (see its docstring)."""
+    h, n, k = _check_common(topk_idx, block_table, block_page_stride, out)
+    b, m = block_table.shape
+    check_index("seq_lens", seq_lens, shape=(b,))
+    dql = _check_int("decode_query_len", decode_query_len, minimum=1)
+    check_same_device(topk_idx=topk_idx, block_table=block_table, seq_lens=seq_lens)
+    if n != b * dql:
+        raise ValueError(
+            f"topk_idx: expected batch * decode_query_len = {b} * {dql} = {b * dql} rows "
+            f"(block_table has {b} requests), got {n}"
+        )
+    if not validation_enabled() or n == 0:
+        return
+    capacity = m * SPARSE_BLOCK_SIZE
+    seq_lens_long = seq_lens.to(torch.int64)
+    checks = [
+        (
+            seq_lens_long > capacity,
+            lambda r: (
+                f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
+                f"{m} blocks = {capacity} tokens"
+            ),
+        )
+    ]
+    if k:
+        checks.append(_topk_past_table(topk_idx, m))
+    _raise_first(checks)
+
+
+def check_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride, out) -> None:
+    """Validate ``build_sparse_block_table_prefill``'s arguments (see its docstring)."""
+    h, n, k = _check_common(topk_idx, block_table, block_page_stride, out)
+    b, m = block_table.shape
+    check_index("query_req_id", query_req_id, shape=(n,))
+    check_index("query_abs_pos", query_abs_pos, shape=(n,))
+    check_same_device(
+        topk_idx=topk_idx, block_table=block_table, query_req_id=query_req_id, query_abs_pos=query_abs_pos
+    )
+    if not validation_enabled() or n == 0:
+        return
+    capacity = m * SPARSE_BLOCK_SIZE
+    pos = query_abs_pos.to(torch.int64)
+    req = query_req_id.to(torch.int64)
+    live = pos >= 0  # padded rows (negative position) may carry any request id
+    checks = [
+        (
+            live & ((req < 0) | (req >= b)),
+            lambda r: (
+                f"query_req_id: row {r} has request id {int(query_req_id[r])}, outside the block table's "
+                f"{b} requests [0, {b})"
+            ),
+        ),
+        (
+            pos >= capacity,
+            lambda r: (
+                f"query_abs_pos: row {r} has position {int(query_abs_pos[r])}, but a block_table row holds "
+                f"{m} blocks = {capacity} tokens"
+            ),
+        ),
+    ]
+    if k:
+        checks.append(_topk_past_table(topk_idx, m))
+    _raise_first(checks)
