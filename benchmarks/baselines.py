@@ -22,7 +22,7 @@ def torch_block_table_decode(topk_idx, block_table, seq_lens, decode_query_len=1
     dev = topk_idx.device
     rows = torch.arange(n, device=dev)
     req = rows // decode_query_len
-    p = seq_lens.long()[req] - decode_query_len + rows % decode_query_len  # [N]
+    p = (seq_lens.long()[req] - decode_query_len + rows % decode_query_len).view(1, n, 1)  # [1, N, 1]
     causal_len = (p + 1).clamp(min=0)
     self_blk = torch.div(p, SPARSE_BLOCK_SIZE, rounding_mode="floor")
     blk = topk_idx.long()
@@ -46,10 +46,11 @@ def torch_block_table_decode(topk_idx, block_table, seq_lens, decode_query_len=1
     nfull = full.sum(-1)
     has_tail = is_tail.any(-1)
     nvalid = valid.sum(-1)
+    causal_len, self_blk = causal_len.view(1, n), self_blk.view(1, n)
     ctx = torch.where(
         has_tail,
         nfull * SPARSE_BLOCK_SIZE + (causal_len - self_blk * SPARSE_BLOCK_SIZE),
-        torch.minimum(nvalid * SPARSE_BLOCK_SIZE, causal_len.expand(h, -1)),
+        torch.minimum(nvalid * SPARSE_BLOCK_SIZE, causal_len),
     )
     return pages.to(torch.int32), ctx.to(torch.int32)
 

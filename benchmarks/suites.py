@@ -14,6 +14,7 @@ import triton
 
 
 import mm3lab
+from mm3lab.testing import relative_error
 from mm3lab.constants import HEAD_DIM, INDEX_HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, SPARSE_BLOCK_SIZE
 
 from . import baselines
@@ -100,7 +101,7 @@ def run_attention_decode(ctx: Context) -> None:
                 ms = bench(fn)
                 ms_graph = bench_graph(fn, replays=50)
             ref_out = baselines.naive_sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, scale)
-            err = mm3lab.testing.relative_error(out.float(), ref_out.float())
+            err = relative_error(out.float(), ref_out.float())
             assert err < 2e-2, f"attention differs from the naive path: relative error {err:.3e}"
             tokens = int(sctx.sum())
             nbytes = tokens * HEAD_DIM * 2 * 2 + q.numel() * 2 * 2 + sbt.numel() * 4
@@ -260,7 +261,7 @@ def run_msa_decode(ctx: Context) -> None:
         k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, dtype=DT, device="cuda")
         v = torch.randn_like(k)
         index_k = torch.randn(batch, INDEX_HEAD_DIM, dtype=DT, device="cuda")
-        kwargs = dict(q=q, k=k, v=v, index_q=index_q, index_k=index_k, k_cache=cache.k_cache, v_cache=cache.v_cache,
+        kwargs = dict(q=q, key=k, value=v, index_q=index_q, index_k=index_k, k_cache=cache.k_cache, v_cache=cache.v_cache,
                       index_cache=index_cache, block_table=block_table, seq_lens=seq_lens)
         with mm3lab.validation(False):
             ms = bench(lambda: msa(**kwargs))

@@ -41,5 +41,23 @@ from .layout import (  # noqa: E402
 )
 
 # --- sparse block table (SPEC section 3) ---
+from .block_table import (  # noqa: E402
+    attended_tokens,
+    build_sparse_block_table_decode,
+    build_sparse_block_table_prefill,
+    plan_sparse_row,
+)
 # --- index cache and indexer (SPEC section 2, steps 1-3) ---
+from .index_cache import allocate_index_cache, insert_index_cache, token_slots  # noqa: E402
+from .indexer import (  # noqa: E402
+    index_scores_decode,
+    index_scores_prefill,
+    index_topk_block_table_decode,
+    index_topk_block_table_prefill,
+    index_topk_decode,
+    index_topk_prefill,
+    topk_blocks,
+)
 # --- sparse paged attention and the MSA step (SPEC section 5) ---
+from .attention import dense_masked_attention, sparse_attention  # noqa: E402
+from .msa import MSAStep, dense_decode, dense_prefill, msa_decode, msa_prefill  # noqa: E402

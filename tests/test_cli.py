@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 
-import nbformat
 import pytest
 
 from mm3lab import cli
@@ -32,6 +31,7 @@ def test_unknown_subcommand_fails():
 
 
 def test_tour_writes_html_and_figures(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
     nb_dir = tmp_path / "notebooks"
     nb_dir.mkdir()
     nb = nbformat.v4.new_notebook()

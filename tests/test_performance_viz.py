@@ -59,3 +59,11 @@ def test_load_results_reads_a_file(tmp_path):
     path.write_text(json.dumps(RESULTS))
     assert performance.load_results(path)["meta"]["copy_TBps"] == 4.0
     assert len(performance.records(RESULTS, "attention_decode", "dense_sdpa")) == 2
+
+
+def test_goals_report_marks_met_missed_and_unmeasured():
+    text = performance.goals_report(RESULTS)
+    assert "[met ] block table, 256 rows: speedup over the PyTorch ops: 100x (goal 20x)" in text
+    assert "[MISS] attention decode, batch 64: speedup over dense SDPA: 36x (goal 40x)" in text
+    assert "[ -- ] top-k, 64 rows of 8192: speedup over torch.topk: not measured" in text
+    assert len(text.splitlines()) == len(performance.goals(RESULTS))

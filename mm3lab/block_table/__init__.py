@@ -67,6 +67,18 @@ def _outputs(topk_idx: torch.Tensor, out):
     return sparse_bt, sparse_ctx
 
 
+MAX_KERNEL_TOPK = 512
+"""Widest selection the kernel compacts in registers (its duplicate check is ``K x K``).
+
+Wider rows (a dense baseline that "selects" every block of a long context) take
+the PyTorch path; the model's top-k is 16.
+"""
+
+
+def _kernel_fits(topk_idx) -> bool:
+    return topk_idx.shape[-1] <= MAX_KERNEL_TOPK
+
+
 def build_sparse_block_table_decode(
     topk_idx: torch.Tensor,
     block_table: torch.Tensor,
@@ -103,7 +115,7 @@ def build_sparse_block_table_decode(
             the request).
     """
     check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out)
-    if not backend.use_kernel(topk_idx, block_table, seq_lens):
+    if not _kernel_fits(topk_idx) or not backend.use_kernel(topk_idx, block_table, seq_lens):
         return reference.build_sparse_block_table_decode(
             topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out=out
         )
@@ -144,7 +156,7 @@ def build_sparse_block_table_prefill(
         a block past the table as not selected.
     """
     check_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride, out)
-    if not backend.use_kernel(topk_idx, block_table, query_req_id, query_abs_pos):
+    if not _kernel_fits(topk_idx) or not backend.use_kernel(topk_idx, block_table, query_req_id, query_abs_pos):
         return reference.build_sparse_block_table_prefill(
             topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride, out=out
         )

@@ -14,5 +14,29 @@ from ..layout.reference import (  # noqa: F401
 from ..layout.views import sides_are_packed, sparse_block_page_stride  # noqa: F401  (metadata only: one definition)
 
 # --- sparse block table (SPEC section 3) ---
+from ..block_table.reference import (  # noqa: F401
+    attended_ranges,
+    attended_tokens,
+    build_sparse_block_table_decode,
+    build_sparse_block_table_prefill,
+    decode_positions,
+    plan_sparse_row,
+    sparse_block_table_row,
+)
 # --- index cache and indexer (SPEC section 2, steps 1-3) ---
+from ..index_cache.reference import insert_index_cache, token_slots  # noqa: F401
+from ..indexer.reference import (  # noqa: F401
+    block_score,
+    candidate_blocks,
+    force_scores,
+    index_scores_decode,
+    index_scores_prefill,
+    index_topk_block_table_decode,
+    index_topk_block_table_prefill,
+    index_topk_decode,
+    index_topk_prefill,
+    select_topk,
+    topk_blocks,
+)
 # --- sparse paged attention and the MSA step (SPEC section 5) ---
+from ..attention.reference import dense_masked_attention, sparse_attention  # noqa: F401

@@ -118,3 +118,61 @@ def plot_speedups(results: dict):
     ax.set_title("mm3lab kernels against baselines measured in the same run")
     fig.tight_layout()
     return fig
+
+
+def _first(found: list[dict], **shape) -> dict | None:
+    for r in found:
+        if all(r["shape"].get(k) == v for k, v in shape.items()):
+            return r
+    return None
+
+
+def goals(results: dict) -> list[dict]:
+    """The benchmark goals, each with the measured value and whether it is met (None: not measured)."""
+    copy = results["meta"]["copy_TBps"]
+    empty = _first(records(results, "launch_empty_triton"))
+    out = []
+
+    def goal(text, value, target, higher=True, unit=""):
+        met = None if value is None else (value >= target if higher else value <= target)
+        out.append({"goal": text, "value": value, "target": target, "met": met, "unit": unit})
+
+    bt = _first(records(results, "block_table_decode", "torch_ops"), rows=256)
+    goal("block table, 256 rows: speedup over the PyTorch ops", bt and bt["speedup"], 20.0, unit="x")
+    goal(
+        "block table, 256 rows: time / empty Triton launch",
+        bt and empty and round(bt["ms"] / empty["ms"], 3), 1.5, higher=False, unit="x",
+    )
+    a64 = _first(records(results, "attention_decode", "naive_gather_sdpa"), batch=64, layout="dense")
+    goal("attention decode, batch 64, 128K: fraction of copy bandwidth", a64 and a64["fraction_of_copy_bw"], 0.6)
+    d64 = _first(records(results, "attention_decode", "dense_sdpa"), batch=64)
+    goal("attention decode, batch 64: speedup over dense SDPA", d64 and d64["speedup"], 40.0, unit="x")
+    goal("attention decode, batch 64: speedup over gather + SDPA", a64 and a64["speedup"], 15.0, unit="x")
+    a1 = _first(records(results, "attention_decode", "naive_gather_sdpa"), batch=1)
+    if a1 and empty:
+        floor_ms = empty["ms"] + a1["bytes"] / (copy * 1e12) * 1e3
+        goal("attention decode, batch 1: time / (empty launch + bytes at copy bandwidth)",
+             round(a1.get("ms_graph", a1["ms"]) / floor_ms, 3), 3.0, higher=False, unit="x")
+    else:
+        goal("attention decode, batch 1: time / (empty launch + bytes at copy bandwidth)", None, 3.0, higher=False)
+    i64 = _first(records(results, "indexer_decode"), batch=64)
+    goal("indexer decode, batch 64, 128K: fraction of copy bandwidth", i64 and i64["fraction_of_copy_bw"], 0.5)
+    t64 = _first(records(results, "topk", "torch.topk"), rows=64)
+    goal("top-k, 64 rows of 8192: speedup over torch.topk", t64 and t64["speedup"], 5.0, unit="x")
+    f64 = _first(records(results, "indexer_decode_fused_block_table"), batch=64)
+    goal("fused top-k + block table: speedup over the two launches", f64 and f64["speedup"], 1.0, unit="x")
+    pre = _first(records(results, "attention_prefill"))
+    goal("attention prefill, 32K: attended FLOP/s / dense SDPA FLOP/s", pre and pre.get("flops_ratio"), 0.5)
+    return out
+
+
+def goals_report(results: dict) -> str:
+    """One line per goal: measured value, target, met / missed (and by how much)."""
+    lines = []
+    for g in goals(results):
+        if g["value"] is None:
+            lines.append(f"[ -- ] {g['goal']}: not measured")
+            continue
+        verdict = "met " if g["met"] else "MISS"
+        lines.append(f"[{verdict}] {g['goal']}: {g['value']:.3g}{g['unit']} (goal {g['target']:g}{g['unit']})")
+    return "\n".join(lines)

@@ -1,0 +1,295 @@
+"""Triton kernels: GQA-packed sparse paged attention with a split over pages.
+
+One program of :func:`_sparse_attention_fwd` handles one (row ``n``, KV head ``h``,
+split ``s``). It loads the ``G = Hq / Hkv`` query heads of the group as one tile
+``[G_PAD, D_PAD]`` and walks its share of the row's pages ``BLOCK_N`` tokens at a
+time: every selected K and V page is read from memory once and serves the whole
+group through ``tl.dot`` (``[G_PAD, D] x [D, BLOCK_N]``), with an online softmax.
+
+Small batches have few (row, head) pairs, so the row's pages are split into
+``num_splits`` contiguous ranges run by different programs; each writes its
+partial output (normalized) and log-sum-exp, and :func:`_merge_splits` combines
+them: ``lse = logsumexp_s(lse_s)``, ``out = sum_s exp(lse_s - lse) * out_s``.
+With one split the first kernel writes the final output directly.
+
+The layout does not appear here: a page id reaches K through ``k_cache`` and V
+through ``v_cache`` in both layouts (SPEC section 4), so dense and packed caches
+differ only in the page ids of the table.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import backend
+from ..constants import PAGE_SIZE
+from .checks import readable_pages
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_LN2 = tl.constexpr(LN2)  # usable inside kernels
+
+
+@triton.jit
+def _attend_step(
+    q,  # [GROUP_PAD, D_PAD] query tile of the group
+    k_head, v_head,  # K / V views offset to this KV head
+    bt_row,  # this row's page ids
+    start, tok_hi,  # tokens start .. start + BLOCK_N - 1 of the row, those < tok_hi are live
+    num_pages, qk_scale,
+    m_i, l_i, acc,  # online-softmax state: running max (base 2), running sum, unnormalized output
+    stride_kp, stride_kr, stride_vp, stride_vr, stride_bw,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One step of the online softmax over ``BLOCK_N`` tokens (``BLOCK_N / 16`` whole pages)."""
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    tok = start + tl.arange(0, BLOCK_N)
+    in_ctx = tok < tok_hi
+    page = tl.load(bt_row + (tok // PAGE) * stride_bw, mask=in_ctx, other=0).to(tl.int64)
+    ok = in_ctx & (page >= 0) & (page < num_pages)  # a page outside the cache is never read
+    row = (tok % PAGE).to(tl.int64)
+    kv_mask = ok[:, None] & d_ok[None, :]
+    k = tl.load(k_head + (page * stride_kp + row * stride_kr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
+    scores = tl.where(ok[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: avoid -inf - -inf
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_head + (page * stride_vp + row * stride_vr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _sparse_attention_fwd(
+    q_ptr,  # [N, Hq, D] queries
+    k_ptr,  # [pages_k, 16, Hkv, D] page-16 K view
+    v_ptr,  # [pages_v, 16, Hkv, D] page-16 V view
+    bt_ptr,  # [Hkv, N, W] page ids
+    ctx_ptr,  # [Hkv, N] tokens per row
+    o_ptr,  # [N, Hq, D] output (one split) or [N, Hq, S, D] float32 partial outputs
+    lse_ptr,  # [N, Hq] float32 (one split) or [N, Hq, S] float32 partial log-sum-exp
+    num_pages,  # page ids in [0, num_pages) are inside both views
+    width,  # W, page ids per row
+    pages_per_split,  # a multiple of BLOCK_N // PAGE
+    qk_scale,  # softmax scale * log2(e): scores are kept in base 2
+    stride_qn, stride_qh, stride_qd,
+    stride_kp, stride_kr, stride_kh,  # k_cache strides (page, row, head); head dim contiguous
+    stride_vp, stride_vr, stride_vh,
+    stride_bh, stride_bn, stride_bw,
+    stride_ch, stride_cn,
+    stride_on, stride_oh, stride_os,  # output strides (row, head, split); head dim contiguous
+    stride_ln, stride_lh,  # lse strides (row, head); split stride 1
+    group,  # query heads per KV head (a runtime value: every group size up to 16 shares one compiled kernel)
+    GROUP_PAD: tl.constexpr,  # >= 16 and a power of two (tl.dot's M)
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # tokens per step, a multiple of PAGE
+    PAGE: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+
+    ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn).to(tl.int32)
+    ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE)
+    tok_lo = s * pages_per_split * PAGE
+    tok_hi = tl.minimum(tok_lo + pages_per_split * PAGE, ctx)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    heads = h * group + offs_g
+    g_ok = offs_g < group
+    d_ok = offs_d < D
+    q = tl.load(
+        q_ptr + n.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max, base 2
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    bt_row = bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn
+    k_head = k_ptr + h.to(tl.int64) * stride_kh
+    v_head = v_ptr + h.to(tl.int64) * stride_vh
+
+    if INTERPRETED:  # the interpreter cannot run range() with runtime bounds; a while loop it can
+        start = tok_lo
+        while start < tok_hi:
+            m_i, l_i, acc = _attend_step(
+                q, k_head, v_head, bt_row, start, tok_hi, num_pages, qk_scale, m_i, l_i, acc,
+                stride_kp, stride_kr, stride_vp, stride_vr, stride_bw, D, D_PAD, BLOCK_N, PAGE, DOT_PRECISION,
+            )
+            start += BLOCK_N
+    else:
+        for start in range(tok_lo, tok_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_step(
+                q, k_head, v_head, bt_row, start, tok_hi, num_pages, qk_scale, m_i, l_i, acc,
+                stride_kp, stride_kr, stride_vp, stride_vr, stride_bw, D, D_PAD, BLOCK_N, PAGE, DOT_PRECISION,
+            )
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i * _LN2 + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    o_off = n.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
+    l_off = n.to(tl.int64) * stride_ln + heads * stride_lh
+    if ONE_SPLIT:
+        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        if WRITE_LSE:
+            tl.store(lse_ptr + l_off, lse, mask=g_ok)
+    else:
+        tl.store(o_ptr + o_off + s * stride_os, out, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptr + l_off + s, lse, mask=g_ok)
+
+
+@triton.jit
+def _merge_splits(
+    part_o_ptr,  # [N, Hq, S, D] float32 partial outputs (each normalized by its own sum)
+    part_lse_ptr,  # [N, Hq, S] float32 partial log-sum-exp, -inf for an empty split
+    o_ptr,  # [N, Hq, D] output
+    lse_ptr,  # [N, Hq] float32 (written when WRITE_LSE)
+    num_splits,
+    stride_pn, stride_ph, stride_ps,  # part_o strides; head dim contiguous
+    stride_qn, stride_qh,  # part_lse strides (row, head); split stride 1
+    stride_on, stride_oh,  # output strides; head dim contiguous
+    stride_ln, stride_lh,  # lse strides
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < D
+    lse_s = tl.load(part_lse_ptr + n * stride_qn + hq * stride_qh + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_ref)  # 0 for empty splits
+    total = tl.sum(w, 0)
+    part = tl.load(
+        part_o_ptr + n * stride_pn + hq * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + n * stride_on + hq * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
+    if WRITE_LSE:
+        lse = tl.where(total > 0, m_ref + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        tl.store(lse_ptr + n * stride_ln + hq * stride_lh, lse)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _device_programs(device: torch.device) -> int:
+    """Programs that fill the device once: one per SM on a GPU, a handful in the interpreter."""
+    if backend.INTERPRETER or device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_config(n_rows: int, hq: int, hkv: int, d: int, width: int, device: torch.device) -> dict:
+    """Host heuristic for tile sizes and the split over pages (no autotuning).
+
+    ``BLOCK_N`` tokens per step: 128 (64 for head dims past 128; twice that in the
+    interpreter, whose cost is per step rather than per element). Splits: as many as
+    it takes for ``n_rows * hkv * num_splits`` programs to cover every SM once, never
+    more than one split per step of pages. Measured on an H200 with the model's
+    shapes (64 query heads, 4 KV heads, D 128, top-k 16, bf16): at batch 64 one split
+    and 128-token steps read the 268 MB of selected K/V at about 3.3 TB/s; more splits
+    only add merge traffic once the (row, head) pairs fill the GPU.
+    """
+    d_pad = max(16, triton.next_power_of_2(d))
+    block_n = 128 if d_pad <= 128 else 64
+    if backend.INTERPRETER and device.type != "cuda":
+        block_n *= 2
+    pages_per_step = block_n // PAGE_SIZE
+    steps = max(1, math.ceil(width / pages_per_step))
+    pairs = max(1, n_rows * hkv)
+    splits = max(1, min(steps, math.ceil(_device_programs(device) / pairs), 64))
+    return {"BLOCK_N": block_n, "num_splits": splits}
+
+
+def sparse_attention_kernel(
+    q, k_cache, v_cache, sparse_bt, sparse_ctx, scale: float, out, lse,
+    *, num_splits: int | None = None, block_n: int | None = None,
+) -> None:
+    """Launch the attention (and, with several splits, the merge). Arguments are already validated.
+
+    Args:
+        q: ``[N, Hq, D]``; k_cache, v_cache: page-16 views; sparse_bt ``[Hkv, N, W]``; sparse_ctx ``[Hkv, N]``.
+        out: ``[N, Hq, D]`` contiguous, q's dtype (written).
+        lse: ``[N, Hq]`` float32 contiguous, or ``None``.
+        num_splits, block_n: override the heuristic of :func:`launch_config` (tests use this).
+    """
+    n_rows, hq, d = q.shape
+    hkv, _, width = sparse_bt.shape
+    group = hq // hkv
+    cfg = launch_config(n_rows, hq, hkv, d, width, q.device)
+    block_n = block_n or cfg["BLOCK_N"]
+    pages_per_step = block_n // PAGE_SIZE
+    steps = max(1, math.ceil(width / pages_per_step))
+    splits = max(1, min(num_splits or cfg["num_splits"], steps))
+    pages_per_split = math.ceil(steps / splits) * pages_per_step
+    splits = max(1, math.ceil(width / pages_per_split)) if width else 1
+    d_pad = max(16, triton.next_power_of_2(d))
+    common = dict(
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, D_PAD=d_pad,
+        BLOCK_N=block_n, PAGE=PAGE_SIZE,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INTERPRETED=backend.INTERPRETER,
+        num_warps=4, num_stages=2,
+    )
+    args = (
+        readable_pages(k_cache, v_cache), width, pages_per_split, scale * LOG2E,
+        *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *sparse_bt.stride(), *sparse_ctx.stride(),
+    )
+    grid = (n_rows, hkv, splits)
+    if splits == 1:
+        lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is off
+        _sparse_attention_fwd[grid](
+            q, k_cache, v_cache, sparse_bt, sparse_ctx, out, lse_arg, *args,
+            out.stride(0), out.stride(1), 0,
+            hq if lse is None else lse.stride(0), 1 if lse is None else lse.stride(1), group,
+            ONE_SPLIT=True, WRITE_LSE=lse is not None, **common,
+        )
+        return
+    part_o = torch.empty(n_rows, hq, splits, d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(n_rows, hq, splits, dtype=torch.float32, device=q.device)
+    _sparse_attention_fwd[grid](
+        q, k_cache, v_cache, sparse_bt, sparse_ctx, part_o, part_lse, *args,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1), group,
+        ONE_SPLIT=False, WRITE_LSE=True, **common,
+    )
+    _merge_splits[(n_rows, hq)](
+        part_o, part_lse, out, lse if lse is not None else part_lse, splits,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        hq if lse is None else lse.stride(0), 1 if lse is None else lse.stride(1),
+        D=d, D_PAD=d_pad, S_PAD=max(2, triton.next_power_of_2(splits)), WRITE_LSE=lse is not None,
+        num_warps=4,
+    )
+
+
+__all__ = ["launch_config", "sparse_attention_kernel"]

@@ -1,0 +1,95 @@
+"""Argument checks of ``insert_index_cache``, shared by the kernel path and the reference.
+
+Structural checks (ranks, the 128-token block, head dim, dtype, slot vector
+length, a contiguous head dim, one device) always run. The value check (a slot
+past the cache) reads ``slot_mapping`` and runs while validation is on; with it
+off, such a slot is skipped by both paths, so nothing is ever written outside
+the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import (
+    FLOAT_DTYPES,
+    check_index,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_tensor,
+    first_bad_row,
+    validation_enabled,
+)
+from ..constants import SPARSE_BLOCK_SIZE
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_index_cache(index_cache) -> None:
+    """``index_cache``: ``[num_blocks, 128, Di]``, float, contiguous head dim."""
+    check_tensor("index_cache", index_cache, ndim=3, dtypes=FLOAT_DTYPES)
+    if index_cache.shape[1] != SPARSE_BLOCK_SIZE:
+        raise ValueError(
+            f"index_cache: dimension 1 must hold the {SPARSE_BLOCK_SIZE} tokens of a block, "
+            f"got shape {tuple(index_cache.shape)}"
+        )
+    check_last_dim_contiguous("index_cache", index_cache)
+
+
+def index_cache_slots(index_cache: torch.Tensor) -> int:
+    """Slots (tokens) the cache holds: ``num_blocks * 128``."""
+    return index_cache.shape[0] * SPARSE_BLOCK_SIZE
+
+
+def check_insert_index_cache(index_k, index_cache, slot_mapping) -> None:
+    """Validate ``insert_index_cache``'s arguments (see its docstring); raise before anything is written."""
+    check_index_cache(index_cache)
+    di = index_cache.shape[2]
+    check_tensor("index_k", index_k, ndim=2, dtypes=FLOAT_DTYPES)
+    n = index_k.shape[0]
+    if index_k.shape[1] != di:
+        raise ValueError(
+            f"index_k: head dim {index_k.shape[1]} does not match index_cache's head dim {di} "
+            f"(index_k {tuple(index_k.shape)}, index_cache {tuple(index_cache.shape)})"
+        )
+    if index_k.dtype != index_cache.dtype:
+        raise TypeError(
+            f"index_k: dtype {_dtype_name(index_k.dtype)} differs from index_cache's {_dtype_name(index_cache.dtype)}"
+        )
+    check_index("slot_mapping", slot_mapping, ndim=1)
+    if slot_mapping.shape[0] != n:
+        raise ValueError(f"slot_mapping: expected one slot per index_k row ({n}), got {slot_mapping.shape[0]}")
+    check_same_device(index_cache=index_cache, index_k=index_k, slot_mapping=slot_mapping)
+    if validation_enabled() and n:
+        capacity = index_cache_slots(index_cache)
+        row = first_bad_row(slot_mapping >= capacity)
+        if row is not None:
+            raise ValueError(
+                f"slot_mapping: row {row} has slot {int(slot_mapping[row])}, past the index cache's "
+                f"{capacity} slots ({index_cache.shape[0]} blocks of {SPARSE_BLOCK_SIZE})"
+            )
+
+
+def check_token_slots(block_table, query_req_id, query_abs_pos) -> None:
+    """Validate ``token_slots``: every live token's request and block inside the block table."""
+    check_index("block_table", block_table, ndim=2)
+    check_index("query_abs_pos", query_abs_pos, ndim=1)
+    check_index("query_req_id", query_req_id, shape=(query_abs_pos.shape[0],))
+    check_same_device(block_table=block_table, query_req_id=query_req_id, query_abs_pos=query_abs_pos)
+    b, m = block_table.shape
+    pos = query_abs_pos.to(torch.int64)
+    req = query_req_id.to(torch.int64)
+    live = pos >= 0
+    row = first_bad_row(live & ((req < 0) | (req >= b)))
+    if row is not None:
+        raise ValueError(
+            f"query_req_id: row {row} has request {int(req[row])}, outside the block table's {b} requests [0, {b})"
+        )
+    row = first_bad_row(live & (pos >= m * SPARSE_BLOCK_SIZE))
+    if row is not None:
+        raise ValueError(
+            f"query_abs_pos: row {row} has position {int(pos[row])}, past the block table's "
+            f"{m} blocks = {m * SPARSE_BLOCK_SIZE} tokens"
+        )

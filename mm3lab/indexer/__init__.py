@@ -1,0 +1,323 @@
+"""The indexer (SPEC section 2, steps 2-3): which 128-token blocks each query token attends.
+
+For every query row (request ``r``, position ``p``) and index head ``h`` (one per
+KV head), each candidate block ``b <= p // 128`` gets the score::
+
+    score[h, t, b] = max over tokens s of block b with s <= p of dot(index_q[t, h], index_k[s])
+
+(float32; the index keys come from the index cache through the request's block
+table; every head shares one key per token). Forcing then gives ``b < init_blocks``
+the score ``1e30`` and, last, ``b >= valid - local_blocks`` the score ``1e29``
+(``valid = p // 128 + 1``), NaN counts as ``-1e30``, and the top-k keeps the
+``topk`` best candidates, ties to the lower block id, ``-1`` past
+``min(topk, valid)``; a padded row (``p < 0``) is all ``-1``.
+
+Entry points (decode rows take ``p = seq_lens[r] - dql + i`` for row
+``n = r * dql + i``; prefill rows carry ``query_req_id`` / ``query_abs_pos``):
+
+* :func:`index_topk_decode` / :func:`index_topk_prefill` -> ``topk_idx [H, N, topk]`` int32,
+  what :func:`mm3lab.build_sparse_block_table_decode` / ``_prefill`` consume;
+* :func:`index_scores_decode` / :func:`index_scores_prefill` -> the scores ``[H, N, M]``,
+  raw (``forced=False``, for heatmaps) or as top-k ranks them (``forced=True``);
+* :func:`index_topk_block_table_decode` / :func:`index_topk_block_table_prefill`: the
+  top-k fused with the sparse block table, one launch from scores to
+  ``(topk_idx, sparse_bt, sparse_ctx)``, equal to running the two steps apart;
+* :func:`topk_blocks`: the top-k rule alone, on any ``[..., W]`` score tensor.
+
+``reference.py`` is the specification (loops); ``kernel.py`` the Triton kernels.
+Every call is two launches at most (scores, then top-k with or without the
+table). float32/float16 run the kernels on every backend; bfloat16 runs them
+where compiled (CUDA) and the PyTorch reference on the interpreter backend,
+whose bfloat16 arithmetic is inexact. Value checks (validation on, the default)
+cost one device sync; see :mod:`mm3lab.indexer.checks` for what they reject and
+the fallback with validation off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import backend
+from ..constants import PAGES_PER_SPARSE_BLOCK
+from . import reference
+from .checks import check_block_page_stride, check_decode, check_prefill, check_topk_scores
+from .reference import candidate_blocks, force_scores, select_topk
+
+__all__ = [
+    "candidate_blocks",
+    "force_scores",
+    "index_scores_decode",
+    "index_scores_prefill",
+    "index_topk_block_table_decode",
+    "index_topk_block_table_prefill",
+    "index_topk_decode",
+    "index_topk_prefill",
+    "select_topk",
+    "topk_blocks",
+]
+
+
+def _use_kernel(index_q, *tensors) -> bool:
+    interpreted_bf16 = backend.INTERPRETER and index_q.dtype == torch.bfloat16
+    return backend.use_kernel(index_q, *tensors) and not interpreted_bf16
+
+
+def _scores(index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced):
+    from .kernel import index_scores_kernel
+
+    n, h, _ = index_q.shape
+    scores = torch.empty(h, n, block_table.shape[1], dtype=torch.float32, device=index_q.device)
+    index_scores_kernel(
+        index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced, scores
+    )
+    return scores
+
+
+def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_page_stride=PAGES_PER_SPARSE_BLOCK):
+    from .kernel import topk_kernel
+
+    h, n, _ = scores.shape
+    topk_idx = torch.empty(h, n, topk, dtype=torch.int32, device=scores.device)
+    tables = {}
+    if block_table is not None:
+        tables = dict(
+            block_table=block_table, block_page_stride=block_page_stride,
+            sparse_bt=torch.empty(h, n, topk * PAGES_PER_SPARSE_BLOCK, dtype=torch.int32, device=scores.device),
+            sparse_ctx=torch.empty(h, n, dtype=torch.int32, device=scores.device),
+        )
+    topk_kernel(scores, topk, topk_idx, positions=2 if prefill else 1, req=req, pos=pos, batch=batch, dql=dql, **tables)
+    if block_table is None:
+        return topk_idx
+    return topk_idx, tables["sparse_bt"], tables["sparse_ctx"]
+
+
+def index_scores_decode(
+    index_q: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    decode_query_len: int = 1,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    forced: bool = False,
+) -> torch.Tensor:
+    """Block scores of decode rows (SPEC section 2, step 2), one launch.
+
+    Row ``n = r * decode_query_len + i`` is at ``p = seq_lens[r] - decode_query_len + i``.
+
+    Args:
+        index_q: ``[N, H, Di]`` float32/float16/bfloat16 index queries (``N = B * decode_query_len``,
+            ``H`` index heads = KV heads), the dtype of ``index_cache``; any strides.
+        index_cache: ``[num_blocks, 128, Di]`` index keys (:func:`mm3lab.insert_index_cache`),
+            contiguous head dim.
+        block_table: ``[B, M]`` int32/int64 logical -> physical block of each request.
+        seq_lens: ``[B]`` int32/int64 tokens per request, the decode queries included.
+        decode_query_len: query tokens per request (``> 1`` for speculative decode).
+        init_blocks, local_blocks: forced blocks; used only with ``forced=True``.
+        forced: ``False``: the raw block maxima (NaN kept), for pictures. ``True``: the
+            scores top-k ranks: init/local forcing applied, NaN as ``-1e30``.
+    Returns:
+        ``[H, N, M]`` float32; ``-inf`` at every block that is not a candidate
+        (``b > p // 128``, padded rows).
+    Raises:
+        TypeError / ValueError: see :func:`index_topk_decode`.
+    """
+    check_decode(index_q, index_cache, block_table, seq_lens, None, decode_query_len, init_blocks, local_blocks)
+    if not _use_kernel(index_q, index_cache, block_table, seq_lens):
+        return reference.index_scores_decode(
+            index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, forced
+        )
+    return _scores(
+        index_q, index_cache, block_table, seq_lens, seq_lens, decode_query_len, False, init_blocks, local_blocks,
+        bool(forced),
+    )
+
+
+def index_scores_prefill(
+    index_q: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_req_id: torch.Tensor,
+    query_abs_pos: torch.Tensor,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    forced: bool = False,
+) -> torch.Tensor:
+    """Block scores of prefill rows (each with its own request and position), one launch.
+
+    Args: as :func:`index_scores_decode`, with ``query_req_id [N]`` and ``query_abs_pos [N]``
+    (int32/int64; a negative position is a padded row) instead of ``seq_lens``.
+    Returns:
+        ``[H, N, M]`` float32, ``-inf`` at non-candidates.
+    """
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, None, init_blocks, local_blocks)
+    if not _use_kernel(index_q, index_cache, block_table, query_req_id, query_abs_pos):
+        return reference.index_scores_prefill(
+            index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, forced
+        )
+    return _scores(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, 1, True, init_blocks, local_blocks,
+        bool(forced),
+    )
+
+
+def index_topk_decode(
+    index_q: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: int,
+    decode_query_len: int = 1,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+) -> torch.Tensor:
+    """The blocks each decode row attends (SPEC section 2, steps 2-3): scores, forcing, top-k.
+
+    Args:
+        index_q: ``[N, H, Di]`` index queries, ``N = B * decode_query_len``, the cache's dtype.
+        index_cache: ``[num_blocks, 128, Di]``.
+        block_table: ``[B, M]`` int32/int64.
+        seq_lens: ``[B]`` int32/int64 (the decode queries included).
+        topk: blocks selected per row (16 in MiniMax-M3); may exceed the candidates.
+        decode_query_len: query tokens per request.
+        init_blocks: the first blocks, forced with score ``1e30`` (0 in MiniMax-M3).
+        local_blocks: the last candidate blocks, forced with ``1e29`` (1: the query's own block).
+    Returns:
+        ``topk_idx [H, N, topk]`` int32 logical block ids, best first, ``-1`` past
+        ``min(topk, p // 128 + 1)``; padded rows all ``-1``.
+    Raises:
+        TypeError: non-tensors, float ids, an ``index_q`` dtype other than the cache's,
+            non-int ``topk`` / ``decode_query_len`` / ``init_blocks`` / ``local_blocks``.
+        ValueError: wrong ranks or shapes, a head-dim mismatch, a cache whose dimension 1
+            is not 128 or whose head dim is not contiguous, ``N != B * decode_query_len``,
+            devices that differ, ``topk < 1``; with validation on, a ``seq_len > M * 128``
+            (names ``seq_lens`` and the request) or a used block table entry outside the
+            cache (names ``block_table``, the request and the block).
+    """
+    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks)
+    if not _use_kernel(index_q, index_cache, block_table, seq_lens):
+        return reference.index_topk_decode(
+            index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks
+        )
+    scores = _scores(
+        index_q, index_cache, block_table, seq_lens, seq_lens, decode_query_len, False, init_blocks, local_blocks, True
+    )
+    return _topk(scores, topk, seq_lens, seq_lens, block_table.shape[0], decode_query_len, False)
+
+
+def index_topk_prefill(
+    index_q: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_req_id: torch.Tensor,
+    query_abs_pos: torch.Tensor,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+) -> torch.Tensor:
+    """The blocks each prefill row attends; arguments as :func:`index_topk_decode` with
+    ``query_req_id [N]`` / ``query_abs_pos [N]`` instead of ``seq_lens``.
+
+    Raises (besides the decode ones): with validation on, a request id outside
+    ``[0, B)`` on a row that is not padded (names ``query_req_id`` and the row) or a
+    position ``>= M * 128`` (names ``query_abs_pos``).
+    """
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks)
+    if not _use_kernel(index_q, index_cache, block_table, query_req_id, query_abs_pos):
+        return reference.index_topk_prefill(
+            index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks
+        )
+    scores = _scores(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, 1, True, init_blocks, local_blocks, True
+    )
+    return _topk(scores, topk, query_req_id, query_abs_pos, block_table.shape[0], 1, True)
+
+
+def index_topk_block_table_decode(
+    index_q: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: int,
+    decode_query_len: int = 1,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`index_topk_decode` fused with :func:`mm3lab.build_sparse_block_table_decode`.
+
+    The top-k kernel hands its selected ids to the sparse block table's row emitter
+    in registers: one launch from scores to all three outputs (two in all, with the
+    scoring). The result equals running the two steps apart.
+
+    Args: as :func:`index_topk_decode`, plus ``block_page_stride``, 8 (dense planes) or 16
+    (packed sides), see :func:`mm3lab.sparse_block_page_stride`.
+    Returns:
+        ``(topk_idx [H, N, topk], sparse_bt [H, N, topk * 8], sparse_ctx [H, N])``, int32, contiguous.
+    """
+    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks)
+    check_block_page_stride(block_page_stride)
+    if not _use_kernel(index_q, index_cache, block_table, seq_lens):
+        return reference.index_topk_block_table_decode(
+            index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
+            block_page_stride,
+        )
+    scores = _scores(
+        index_q, index_cache, block_table, seq_lens, seq_lens, decode_query_len, False, init_blocks, local_blocks, True
+    )
+    return _topk(
+        scores, topk, seq_lens, seq_lens, block_table.shape[0], decode_query_len, False, block_table, block_page_stride
+    )
+
+
+def index_topk_block_table_prefill(
+    index_q: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_req_id: torch.Tensor,
+    query_abs_pos: torch.Tensor,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`index_topk_prefill` fused with :func:`mm3lab.build_sparse_block_table_prefill`
+    (see :func:`index_topk_block_table_decode`)."""
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks)
+    check_block_page_stride(block_page_stride)
+    if not _use_kernel(index_q, index_cache, block_table, query_req_id, query_abs_pos):
+        return reference.index_topk_block_table_prefill(
+            index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks,
+            block_page_stride,
+        )
+    scores = _scores(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, 1, True, init_blocks, local_blocks, True
+    )
+    return _topk(
+        scores, topk, query_req_id, query_abs_pos, block_table.shape[0], 1, True, block_table, block_page_stride
+    )
+
+
+def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """The indexer's top-k rule on any score tensor, every column a candidate (SPEC section 2, step 3).
+
+    Ids by descending score, ties to the lower id, NaN as ``-1e30``, ``-1`` past the
+    row's width. Selects without sorting the row (one max-reduction per pick).
+
+    Args:
+        scores: ``[..., W]`` float32/float16/bfloat16, any strides.
+        topk: ids per row (``>= 1``).
+    Returns:
+        ``[..., topk]`` int32.
+    """
+    check_topk_scores(scores, topk)
+    interpreted_bf16 = backend.INTERPRETER and scores.dtype == torch.bfloat16
+    if not backend.use_kernel(scores) or interpreted_bf16:
+        return reference.topk_blocks(scores, topk)
+    from .kernel import topk_kernel
+
+    w = scores.shape[-1]
+    rows = scores.reshape(1, -1, w)
+    out = torch.empty(rows.shape[1], topk, dtype=torch.int32, device=scores.device)
+    topk_kernel(rows, topk, out)
+    return out.reshape(*scores.shape[:-1], topk)

@@ -1,0 +1,175 @@
+"""Argument checks of the indexer entry points, shared by the kernel path and the reference.
+
+Structural checks (ranks, shapes, dtypes, head dims, devices, the integer
+arguments) always run. Value checks read tensor contents (one device sync in
+all) and run while ``mm3lab.validation_enabled()``:
+
+* a decode ``seq_len`` or a prefill position the block table cannot hold;
+* a prefill request id outside the block table (on a row that is not padded);
+* a block table entry that a row scores (logical block ``b <= p // 128``) outside
+  the index cache.
+
+With validation off both paths apply the same defined fallback instead: a row
+whose request id is out of range is padded (all ``-1``), candidates stop at the
+block table's width, and a block whose physical id is outside the cache is
+never read (it stays a candidate with score ``-inf``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import FLOAT_DTYPES, check_index, check_same_device, check_tensor, first_bad_row, validation_enabled
+from ..constants import SPARSE_BLOCK_SIZE
+from ..index_cache.checks import check_index_cache
+from ..layout.views import DENSE_STRIDE, PACKED_STRIDE
+
+BLOCK_PAGE_STRIDES = (DENSE_STRIDE, PACKED_STRIDE)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_int(name: str, value, *, minimum: int) -> int:
+    """A Python int (not a bool, not a tensor) ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a Python int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def check_block_page_stride(block_page_stride) -> int:
+    if isinstance(block_page_stride, bool) or not isinstance(block_page_stride, int):
+        raise TypeError(f"block_page_stride: expected a Python int (8 or 16), got {type(block_page_stride).__name__}")
+    if block_page_stride not in BLOCK_PAGE_STRIDES:
+        raise ValueError(
+            f"block_page_stride: expected {DENSE_STRIDE} (dense planes) or {PACKED_STRIDE} (packed sides), "
+            f"got {block_page_stride}"
+        )
+    return block_page_stride
+
+
+def check_topk_scores(scores, topk) -> None:
+    """``topk_blocks``: a float score tensor ``[..., W]`` and ``topk >= 1``."""
+    check_tensor("scores", scores, dtypes=FLOAT_DTYPES)
+    if scores.dim() < 1:
+        raise ValueError("scores: expected at least one dimension (the blocks), got a 0-d tensor")
+    check_int("topk", topk, minimum=1)
+
+
+def _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks) -> None:
+    check_index_cache(index_cache)
+    di = index_cache.shape[2]
+    check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
+    if index_q.shape[2] != di:
+        raise ValueError(
+            f"index_q: head dim {index_q.shape[2]} does not match index_cache's head dim {di} "
+            f"(index_q {tuple(index_q.shape)}, index_cache {tuple(index_cache.shape)})"
+        )
+    if index_q.dtype != index_cache.dtype:
+        raise TypeError(
+            f"index_q: dtype {_dtype_name(index_q.dtype)} differs from index_cache's {_dtype_name(index_cache.dtype)}"
+        )
+    check_index("block_table", block_table, ndim=2)
+    if topk is not None:
+        check_int("topk", topk, minimum=1)
+    check_int("init_blocks", init_blocks, minimum=0)
+    check_int("local_blocks", local_blocks, minimum=0)
+
+
+def _raise_first(checks) -> None:
+    """``checks``: ``(mask, message(row))`` pairs; raise for the first mask holding a True (one sync in all)."""
+    if not checks:
+        return
+    anys = torch.stack([mask.any() for mask, _ in checks]).tolist()
+    for (mask, message), bad in zip(checks, anys):
+        if bad:
+            raise ValueError(message(first_bad_row(mask)))
+
+
+def _table_entries_check(block_table, blocks_used, num_blocks):
+    """A physical id outside the index cache among the first ``blocks_used[r]`` entries of row ``r``."""
+    b, m = block_table.shape
+    used = torch.arange(m, device=block_table.device).view(1, m) < blocks_used.view(b, 1)
+    mask = used & ((block_table < 0) | (block_table >= num_blocks))
+
+    def message(r: int) -> str:
+        col = int(torch.nonzero(mask[r])[0, 0])
+        return (
+            f"block_table: request {r}, logical block {col} maps to physical block {int(block_table[r, col])}, "
+            f"outside the index cache's {num_blocks} blocks"
+        )
+
+    return mask, message
+
+
+def check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks):
+    """Validate a decode indexer call (``topk=None`` for the score entry points)."""
+    _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks)
+    b, m = block_table.shape
+    check_index("seq_lens", seq_lens, shape=(b,))
+    dql = check_int("decode_query_len", decode_query_len, minimum=1)
+    check_same_device(index_q=index_q, index_cache=index_cache, block_table=block_table, seq_lens=seq_lens)
+    n = index_q.shape[0]
+    if n != b * dql:
+        raise ValueError(
+            f"index_q: expected batch * decode_query_len = {b} * {dql} = {b * dql} rows "
+            f"(block_table has {b} requests), got {n}"
+        )
+    if not validation_enabled() or n == 0:
+        return
+    capacity = m * SPARSE_BLOCK_SIZE
+    lens = seq_lens.to(torch.int64)
+    blocks_used = torch.div(lens.clamp(0, capacity) + SPARSE_BLOCK_SIZE - 1, SPARSE_BLOCK_SIZE, rounding_mode="floor")
+    _raise_first([
+        (
+            lens > capacity,
+            lambda r: (
+                f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
+                f"{m} blocks = {capacity} tokens"
+            ),
+        ),
+        _table_entries_check(block_table, blocks_used, index_cache.shape[0]),
+    ])
+
+
+def check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks):
+    """Validate a prefill indexer call (``topk=None`` for the score entry points)."""
+    _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks)
+    b, m = block_table.shape
+    n = index_q.shape[0]
+    check_index("query_req_id", query_req_id, shape=(n,))
+    check_index("query_abs_pos", query_abs_pos, shape=(n,))
+    check_same_device(
+        index_q=index_q, index_cache=index_cache, block_table=block_table,
+        query_req_id=query_req_id, query_abs_pos=query_abs_pos,
+    )
+    if not validation_enabled() or n == 0:
+        return
+    capacity = m * SPARSE_BLOCK_SIZE
+    pos = query_abs_pos.to(torch.int64)
+    req = query_req_id.to(torch.int64)
+    live = (pos >= 0) & (req >= 0) & (req < b)
+    blocks_needed = torch.where(live, torch.div(pos.clamp(0, capacity - 1), SPARSE_BLOCK_SIZE, rounding_mode="floor") + 1, 0)
+    blocks_used = torch.zeros(b, dtype=torch.int64, device=pos.device)
+    if b:
+        blocks_used.scatter_reduce_(0, torch.where(live, req, 0), blocks_needed, reduce="amax")
+    _raise_first([
+        (
+            (pos >= 0) & ((req < 0) | (req >= b)),
+            lambda r: (
+                f"query_req_id: row {r} has request id {int(query_req_id[r])}, outside the block table's "
+                f"{b} requests [0, {b})"
+            ),
+        ),
+        (
+            pos >= capacity,
+            lambda r: (
+                f"query_abs_pos: row {r} has position {int(query_abs_pos[r])}, but a block_table row holds "
+                f"{m} blocks = {capacity} tokens"
+            ),
+        ),
+        _table_entries_check(block_table, blocks_used, index_cache.shape[0]),
+    ])

@@ -1,0 +1,403 @@
+"""Triton kernels of the indexer (SPEC section 2, steps 2-3): block scores, top-k, and top-k fused
+with the sparse block table.
+
+**Scoring** (:func:`index_scores_kernel`). A program owns a tile of query rows
+(``BLOCK_Q`` rows x ``BLOCK_H`` heads = ``BLOCK_M`` lanes, padded to at least 16
+for ``tl.dot``) and a chunk of consecutive logical blocks; the grid is
+``(row tiles, block chunks)``, so even one decode row of a 1M-token context
+spreads over every SM. For each block the program loads the ``[128, Di]`` key tile
+once and scores every lane with one ``tl.dot`` (all heads share the one index
+key), masks the tokens after each lane's position, and keeps the maximum
+(NaN if any visible dot is NaN, like ``torch.amax``). Decode tiles are rows of one
+request; a prefill tile whose rows read different physical blocks (a request
+boundary) loads one key tile per row instead. With ``FORCE`` the program also
+applies init/local forcing and NaN -> ``-1e30``, writing the scores top-k ranks.
+
+**Top-k** (:func:`topk_kernel`). A program owns a few (head, row) pairs (one for the
+widest rows). Each candidate's
+(score, block id) becomes one int64 key whose order is "score descending, then
+id ascending" (the float's bits made monotone in the high word, ``2^31 - 1 - id``
+in the low word), so each of the ``topk`` rounds is a single max-reduction over
+the keys below the previous pick; nothing is sorted. Rows up to 8192 blocks (the
+model's 1M tokens) stay in registers; wider rows are re-read chunk by chunk each
+round. With ``EMIT_TABLE`` the selected ids go straight into
+:func:`mm3lab.block_table.kernel.emit_sparse_block_table_row`: one launch from
+scores to ``topk_idx``, ``sparse_bt`` and ``sparse_ctx``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import backend
+from ..block_table.kernel import emit_sparse_block_table_row
+from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
+
+MAX_REGISTER_ROW = 8192
+"""Widest score row the top-k keeps in registers (8192 blocks = 1M tokens)."""
+
+# Reductions through tl.reduce with Triton's own combiners: the interpreter maps these to numpy
+# (tl.max / tl.min are device functions themselves, which the interpreter calls far more slowly).
+_max = getattr(tl.standard, "_elementwise_max", None)
+_min = getattr(tl.standard, "_elementwise_min", None)
+if _max is None or _min is None:  # pragma: no cover - depends on the Triton version
+
+    @triton.jit
+    def _max(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _min(a, b):
+        return tl.minimum(a, b)
+
+
+_KEY_NONE = tl.constexpr(-(2**63) + 1)  # top-k key of a non-candidate: below every score's key, -inf's included
+_KEY_MAX = tl.constexpr(2**63 - 1)
+# compiled Triton reads module globals only when they are constexpr objects
+_INIT_SCORE = tl.constexpr(INIT_SCORE)
+_LOCAL_SCORE = tl.constexpr(LOCAL_SCORE)
+_NAN_SCORE = tl.constexpr(NAN_SCORE)
+
+# --- row positions --------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_rows(
+    t, qi, N, B, DQL, TILES_PER_REQ, req_ptr, stride_r, pos_ptr, stride_p,
+    PREFILL: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    """Rows of tile ``t`` at lanes ``qi`` (0 .. BLOCK_Q - 1): ``(n, live, request, p)``, ``p = -1`` unless live."""
+    if PREFILL:
+        n = (t * BLOCK_Q + qi).to(tl.int64)
+        live = n < N
+        req = tl.load(req_ptr + n * stride_r, mask=live, other=-1).to(tl.int64)
+        p = tl.load(pos_ptr + n * stride_p, mask=live, other=-1).to(tl.int64)
+    else:
+        # Decode: tile t holds queries i of request r = t // TILES_PER_REQ; row n = r * dql + i.
+        req = qi.to(tl.int64) * 0 + t // TILES_PER_REQ
+        i = (t % TILES_PER_REQ) * BLOCK_Q + qi
+        live = i < DQL
+        n = req * DQL + i
+        seq_len = tl.load(req_ptr + req * stride_r, mask=live, other=0).to(tl.int64)
+        p = seq_len - DQL + i
+    in_range = (req >= 0) & (req < B)
+    p = tl.where(live & in_range, p, -1)
+    req = tl.where(in_range, req, 0)
+    return n, live, req, p
+
+
+# --- scoring --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _index_scores(
+    q_ptr,  # [N, H, Di] index queries, any strides
+    stride_qn, stride_qh, stride_qd,
+    cache_ptr,  # [num_blocks, 128, Di] index keys, head dim contiguous
+    stride_cb, stride_ct,
+    bt_ptr,  # [B, M] block_table
+    stride_bb, stride_bm,
+    req_ptr, stride_r,  # prefill: [N] query_req_id; decode: [B] seq_lens
+    pos_ptr, stride_p,  # prefill: [N] query_abs_pos; decode: unused
+    out_ptr,  # [H, N, M] float32, contiguous
+    N, H, Di, B, M, num_blocks,
+    DQL, TILES_PER_REQ,  # decode: queries per request and row tiles per request
+    blocks_per_program,
+    init_blocks, local_blocks,
+    PREFILL: tl.constexpr,
+    FORCE: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPARSE_BLOCK: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+    t = tl.program_id(0)
+    chunk = tl.program_id(1)
+    lanes = tl.arange(0, BLOCK_M)
+    qi = lanes // BLOCK_H  # the lane's row in the tile
+    head = (lanes % BLOCK_H).to(tl.int64)
+    n, live, req, p = _tile_rows(
+        t, qi, N, B, DQL, TILES_PER_REQ, req_ptr, stride_r, pos_ptr, stride_p, PREFILL, BLOCK_Q
+    )
+    lane_ok = live & (head < H)
+    p = tl.where(lane_ok, p, -1)
+    valid = tl.where(p >= 0, tl.minimum(p // SPARSE_BLOCK + 1, M), 0)  # candidates 0 .. valid - 1
+    dims = tl.arange(0, BLOCK_D)
+    tok = tl.arange(0, SPARSE_BLOCK)
+    dim_ok = dims < Di
+    q = tl.load(
+        q_ptr + n[:, None] * stride_qn + head[:, None] * stride_qh + dims[None, :] * stride_qd,
+        mask=lane_ok[:, None] & dim_ok[None, :], other=0.0,
+    )
+    out_row = out_ptr + (head * N + n) * M  # [BLOCK_M] pointers to each lane's score row
+
+    first = chunk * blocks_per_program
+    last = tl.minimum(first + blocks_per_program, M)
+    scored_until = tl.minimum(last, tl.reduce(valid, 0, _max))  # blocks past every lane's candidates are -inf
+    # (while loops, not range(): Triton's interpreter cannot take a runtime loop bound)
+    b = first
+    while b < scored_until:
+        cand = b < valid
+        physical = tl.load(bt_ptr + req * stride_bb + b * stride_bm, mask=cand, other=-1).to(tl.int64)
+        readable = cand & (physical >= 0) & (physical < num_blocks)  # never read outside the cache
+        last_tok = p - b * SPARSE_BLOCK  # the lane sees tokens 0 .. last_tok of this block
+        lo = tl.reduce(tl.where(readable, physical, num_blocks), 0, _min)
+        hi = tl.reduce(tl.where(readable, physical, -1), 0, _max)
+        if lo == hi:  # every readable lane reads the same physical block: load its keys once
+            tile_last = tl.reduce(tl.where(readable, last_tok, -1), 0, _max)
+            keys = tl.load(
+                cache_ptr + lo * stride_cb + tok[:, None] * stride_ct + dims[None, :],
+                mask=(tok[:, None] <= tile_last) & dim_ok[None, :], other=0.0,
+            )
+            if IEEE:  # float32: exact products, no TF32
+                dots = tl.dot(q, tl.trans(keys), input_precision="ieee")
+            else:
+                dots = tl.dot(q, tl.trans(keys))
+            seen = readable[:, None] & (tok[None, :] <= last_tok[:, None])
+        else:  # rows of different requests (or no readable lane): one key tile per row
+            dots = tl.zeros([BLOCK_M, SPARSE_BLOCK], dtype=tl.float32)
+            seen = tl.zeros([BLOCK_M, SPARSE_BLOCK], dtype=tl.int1)
+            for i in tl.static_range(BLOCK_Q):
+                mine = readable & (qi == i)
+                phys_i = tl.reduce(tl.where(mine, physical, 0), 0, _max)
+                last_i = tl.reduce(tl.where(mine, last_tok, -1), 0, _max)  # -1: the row reads nothing
+                keys = tl.load(
+                    cache_ptr + phys_i * stride_cb + tok[:, None] * stride_ct + dims[None, :],
+                    mask=(tok[:, None] <= last_i) & dim_ok[None, :], other=0.0,
+                )
+                sel = mine[:, None] & (tok[None, :] <= last_tok[:, None])
+                if IEEE:
+                    dots_i = tl.dot(q, tl.trans(keys), input_precision="ieee")
+                else:
+                    dots_i = tl.dot(q, tl.trans(keys))
+                dots = tl.where(sel, dots_i, dots)
+                seen = seen | sel
+        best = tl.reduce(tl.where(seen, dots, float("-inf")), 1, _max)
+        has_nan = tl.reduce(tl.where(seen & (dots != dots), 1, 0), 1, _max) > 0
+        score = tl.where(has_nan, float("nan"), best)
+        if FORCE:
+            blk = tl.zeros([BLOCK_M], dtype=tl.int32) + b
+            score = tl.where(cand & (blk < init_blocks), _INIT_SCORE, score)
+            score = tl.where(cand & (blk >= valid - local_blocks), _LOCAL_SCORE, score)
+            score = tl.where(score != score, _NAN_SCORE, score)
+        score = tl.where(cand, score, float("-inf"))
+        tl.store(out_row + b, score, mask=lane_ok)
+        b += 1
+    minus_inf = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    while b < last:
+        tl.store(out_row + b, minus_inf, mask=lane_ok)
+        b += 1
+
+
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def index_scores_kernel(
+    index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced, out,
+    *, block_q: int | None = None, blocks_per_program: int | None = None,
+) -> None:
+    """Launch the scoring kernel into ``out [H, N, M]`` float32 (arguments already validated).
+
+    ``block_q`` (rows per tile) and ``blocks_per_program`` (blocks per chunk) override the
+    host-side heuristic; tests use them to reach every code path with small shapes.
+    """
+    n, h, di = index_q.shape
+    b, m = block_table.shape
+    if n == 0 or h == 0 or m == 0:
+        return
+    block_h = triton.next_power_of_2(h)
+    group = n if prefill else dql
+    if block_q is None:
+        block_q = max(1, min(triton.next_power_of_2(group), 64 // block_h))
+    block_q = max(block_q, 16 // block_h)  # tl.dot needs at least 16 lanes
+    if prefill:
+        tiles, tiles_per_req = triton.cdiv(n, block_q), 1
+    else:
+        tiles_per_req = triton.cdiv(dql, block_q)
+        tiles = b * tiles_per_req
+    if blocks_per_program is not None:
+        blocks_per_program = max(1, min(blocks_per_program, m))
+    elif backend.INTERPRETER or index_q.device.type != "cuda":
+        blocks_per_program = m  # few, long programs: the interpreter pays per program
+    else:
+        target = 8 * _num_sms(index_q.device)  # enough programs to fill every SM, even at batch 1
+        blocks_per_program = max(4, triton.cdiv(tiles * m, target))
+    chunks = triton.cdiv(m, blocks_per_program)
+    if block_table.numel() == 0:
+        block_table = torch.zeros(1, 1, dtype=torch.int32, device=index_q.device)
+    _index_scores[(tiles, chunks)](
+        index_q, *index_q.stride(),
+        index_cache, index_cache.stride(0), index_cache.stride(1),
+        block_table, *block_table.stride(),
+        req, req.stride(0), pos, pos.stride(0),
+        out,
+        n, h, di, b, m, index_cache.shape[0],
+        dql, tiles_per_req, blocks_per_program,
+        init_blocks, local_blocks,
+        PREFILL=prefill, FORCE=forced, IEEE=index_q.dtype == torch.float32,
+        BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_D=max(16, triton.next_power_of_2(di)),
+        SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
+        num_warps=4,
+    )
+
+
+# --- top-k ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _order_keys(s, col, cand):
+    """int64 keys ordered as (score descending, id ascending); ``KEY_NONE`` where not a candidate."""
+    s = s.to(tl.float32)
+    s = tl.where(s != s, _NAN_SCORE, s)  # NaN counts as -1e30
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with +0.0
+    bits = s.to(tl.int32, bitcast=True)
+    monotone = bits ^ tl.where(bits < 0, 0x7FFFFFFF, 0)  # signed-int order == float order
+    key = (monotone.to(tl.int64) << 32) | (0x7FFFFFFF - col).to(tl.int64)
+    return tl.where(cand, key, _KEY_NONE)
+
+
+@triton.jit
+def _topk_rows(
+    scores_ptr,  # [H, N, W] float, any strides
+    stride_sh, stride_sn, stride_sw,
+    topk_ptr,  # [H, N, K] int32 out, contiguous
+    H, N, W, K,
+    req_ptr, stride_r,  # prefill: [N] query_req_id; decode: [B] seq_lens (POSITIONS only)
+    pos_ptr, stride_p,
+    B, DQL,
+    bt_ptr, stride_bb, stride_bm, M,  # block_table (EMIT_TABLE only)
+    sbt_ptr,  # [H, N, K * 8] int32 out (EMIT_TABLE only)
+    ctx_ptr,  # [H, N] int32 out (EMIT_TABLE only)
+    POSITIONS: tl.constexpr,  # 0: every column a candidate; 1: decode rows; 2: prefill rows
+    EMIT_TABLE: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # (head, row) pairs per program
+    BLOCK_W: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    BLOCK_PAGE_STRIDE: tl.constexpr,
+    SPARSE_BLOCK: tl.constexpr,
+    PAGES: tl.constexpr,
+):
+    ridx = tl.arange(0, BLOCK_R)
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + ridx  # flattened h * N + n
+    row_ok = row < H * N
+    h = row // N
+    n = row % N
+    req = tl.zeros([BLOCK_R], dtype=tl.int64)
+    p = tl.full([BLOCK_R], -1, tl.int64)
+    if POSITIONS == 0:
+        valid = tl.where(row_ok, W, 0)
+    else:
+        if POSITIONS == 2:
+            req = tl.load(req_ptr + n * stride_r, mask=row_ok, other=-1).to(tl.int64)
+            p = tl.load(pos_ptr + n * stride_p, mask=row_ok, other=-1).to(tl.int64)
+        else:  # decode row n = r * dql + i is at p = seq_lens[r] - dql + i
+            req = n // DQL
+            p = tl.load(req_ptr + req * stride_r, mask=row_ok, other=0).to(tl.int64) - DQL + n % DQL
+        in_range = (req >= 0) & (req < B)
+        p = tl.where(row_ok & in_range, p, -1)  # a request id out of range: a padded row
+        req = tl.where(in_range, req, 0)
+        valid = tl.where(p >= 0, tl.minimum(p // SPARSE_BLOCK + 1, W), 0)  # candidates 0 .. valid - 1
+    row_ptr = scores_ptr + h * stride_sh + n * stride_sn  # [BLOCK_R]
+    cols = tl.arange(0, BLOCK_W)
+    slots = tl.arange(0, K_BLOCK)
+    blk = tl.full([BLOCK_R, K_BLOCK], -1, tl.int32)
+    prev = tl.full([BLOCK_R], _KEY_MAX, tl.int64)  # the previous pick's key: every candidate is below it
+    # (while loops, not range(): Triton's interpreter cannot take a runtime loop bound)
+    if ONE_CHUNK:  # the whole row in registers, read once
+        cand = cols[None, :] < valid[:, None]
+        s = tl.load(row_ptr[:, None] + cols[None, :] * stride_sw, mask=cand, other=0.0)
+        keys = _order_keys(s, cols[None, :], cand)
+        k = 0
+        while k < K:
+            best = tl.reduce(tl.where(keys < prev[:, None], keys, _KEY_NONE), 1, _max)
+            pick = tl.where(best == _KEY_NONE, -1, 0x7FFFFFFF - (best - ((best >> 32) << 32)))
+            blk = tl.where(slots[None, :] == k, pick[:, None].to(tl.int32), blk)
+            prev = best
+            k += 1
+    else:  # wider rows: every round reads the row again, chunk by chunk
+        k = 0
+        while k < K:
+            best = tl.full([BLOCK_R], _KEY_NONE, tl.int64)
+            start = 0
+            while start < W:
+                c = start + cols
+                cand = c[None, :] < valid[:, None]
+                s = tl.load(row_ptr[:, None] + c[None, :] * stride_sw, mask=cand, other=0.0)
+                keys = _order_keys(s, c[None, :], cand)
+                best = tl.maximum(best, tl.reduce(tl.where(keys < prev[:, None], keys, _KEY_NONE), 1, _max))
+                start += BLOCK_W
+            pick = tl.where(best == _KEY_NONE, -1, 0x7FFFFFFF - (best - ((best >> 32) << 32)))
+            blk = tl.where(slots[None, :] == k, pick[:, None].to(tl.int32), blk)
+            prev = best
+            k += 1
+    tl.store(topk_ptr + row[:, None] * K + slots[None, :], blk, mask=row_ok[:, None] & (slots[None, :] < K))
+    if EMIT_TABLE:
+        for r in tl.static_range(BLOCK_R):
+            this = ridx == r
+            row_r = tl.reduce(tl.where(this, row, 0), 0, _max)
+            if row_r < H * N:
+                blk_r = tl.reduce(tl.where(this[:, None], blk, -1), 0, _max)  # [K_BLOCK], row r's ids
+                p_r = tl.reduce(tl.where(this, p, -1), 0, _max)
+                req_r = tl.reduce(tl.where(this, req, 0), 0, _max)
+                ctx = emit_sparse_block_table_row(
+                    blk_r, p_r, bt_ptr + req_r * stride_bb, stride_bm, M, sbt_ptr + row_r * (K * PAGES), K,
+                    K_BLOCK=K_BLOCK, BLOCK_PAGE_STRIDE=BLOCK_PAGE_STRIDE, SPARSE_BLOCK=SPARSE_BLOCK, PAGES=PAGES,
+                )
+                tl.store(ctx_ptr + row_r, ctx)
+
+
+def topk_kernel(
+    scores, topk, topk_idx, *, positions=0, req=None, pos=None, batch=0, dql=1,
+    block_table=None, block_page_stride=PAGES_PER_SPARSE_BLOCK, sparse_bt=None, sparse_ctx=None,
+    max_register_row: int = MAX_REGISTER_ROW, rows_per_program: int | None = None,
+) -> None:
+    """Launch the top-k (optionally fused with the sparse block table) over ``scores [H, N, W]``.
+
+    ``positions``: 0 = every column a candidate, 1 = decode rows (``req`` = seq_lens),
+    2 = prefill rows (``req`` = query_req_id, ``pos`` = query_abs_pos). With
+    ``block_table`` given, also writes ``sparse_bt`` / ``sparse_ctx``. Rows wider than
+    ``max_register_row`` (a power of 2) are read in chunks of that width each round.
+    ``rows_per_program`` overrides the host-side heuristic (a power of 2).
+    """
+    h, n, w = scores.shape
+    if h == 0 or n == 0:
+        return
+    emit = block_table is not None
+    dummy = topk_idx
+    req = dummy.view(-1)[:1] if req is None else req
+    pos = req if pos is None else pos
+    if emit:
+        m = block_table.shape[1]
+        if block_table.numel() == 0:
+            block_table = torch.zeros(1, 1, dtype=torch.int32, device=scores.device)
+    else:
+        m, block_table, sparse_bt, sparse_ctx = 0, dummy.view(-1)[:1].view(1, 1), dummy, dummy
+    block_w = max(16, min(triton.next_power_of_2(max(w, 1)), max_register_row))
+    k_block = max(1, triton.next_power_of_2(topk))
+    rows = h * n
+    if rows_per_program is None:
+        if backend.INTERPRETER:  # few programs: the interpreter pays per program and per operation
+            rows_per_program = max(1, min(triton.next_power_of_2(rows), 16384 // block_w))
+        else:
+            rows_per_program = max(1, min(triton.next_power_of_2(rows), 2048 // block_w, 4 if emit else 64))
+    tile = rows_per_program * block_w
+    _topk_rows[(triton.cdiv(rows, rows_per_program),)](
+        scores, *scores.stride(),
+        topk_idx, h, n, w, topk,
+        req, req.stride(0), pos, pos.stride(0), batch, dql,
+        block_table, *block_table.stride(), m,
+        sparse_bt, sparse_ctx,
+        POSITIONS=positions, EMIT_TABLE=emit, BLOCK_R=rows_per_program,
+        BLOCK_W=block_w, ONE_CHUNK=w <= block_w, K_BLOCK=k_block,
+        BLOCK_PAGE_STRIDE=block_page_stride, SPARSE_BLOCK=SPARSE_BLOCK_SIZE, PAGES=PAGES_PER_SPARSE_BLOCK,
+        num_warps=8 if tile >= 4096 else (4 if tile >= 1024 else 2),
+    )
+
+
+__all__ = ["MAX_REGISTER_ROW", "index_scores_kernel", "topk_kernel"]

@@ -1,0 +1,305 @@
+"""Pure-PyTorch reference of the indexer (SPEC section 2, steps 2-3), written as loops.
+
+For every query row ``t`` (request ``r``, absolute position ``p``) and index head ``h``:
+
+1. **Score.** For each candidate block ``b <= p // 128``::
+
+       score[h, t, b] = max over tokens s of block b with s <= p of dot(index_q[t, h], index_k[s])
+
+   in float32, where the index keys of logical block ``b`` are
+   ``index_cache[block_table[r, b]]`` (one key per token, shared by all heads).
+   Blocks after ``p // 128`` are not candidates (score ``-inf``).
+2. **Force.** With ``valid = p // 128 + 1``: a block ``b < init_blocks`` scores
+   ``1e30``; then a block ``b >= valid - local_blocks`` scores ``1e29`` (local is
+   applied last, so a block that is both ends at ``1e29``). NaN counts as ``-1e30``.
+3. **Top-k.** ``topk_idx[h, t, :]`` = the ``topk`` candidates by descending score,
+   ties to the lower block id, ``-1`` past ``min(topk, valid)``. A padded row
+   (``p < 0``) is all ``-1``.
+
+Decode rows: row ``n = r * dql + i`` is at ``p = seq_lens[r] - dql + i``. Prefill
+rows carry ``query_req_id[n]`` and ``query_abs_pos[n]``.
+
+mm3lab's definitions for input that validation rejects (they apply only with
+validation off): a request id outside the block table makes the row padded,
+candidates stop at the block table's width ``M``, and a block whose physical id
+is outside the cache is never read (it stays a candidate, scoring ``-inf``).
+
+These functions have the same signatures as the entry points in
+:mod:`mm3lab.indexer` and are the specification those are tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from ..block_table.reference import build_sparse_block_table_decode, build_sparse_block_table_prefill
+from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
+from .checks import check_block_page_stride, check_decode, check_prefill, check_topk_scores
+
+# --- one row, in the SPEC's words -----------------------------------------------------------
+
+
+def candidate_blocks(p: int, table_width: int | None = None) -> int:
+    """``valid``: how many blocks ``0 .. valid - 1`` a query at position ``p`` may select.
+
+    ``p // 128 + 1`` (its own block and every earlier one), ``0`` for a padded row
+    (``p < 0``), at most ``table_width`` when given.
+    """
+    valid = p // SPARSE_BLOCK_SIZE + 1 if p >= 0 else 0
+    return valid if table_width is None else min(valid, table_width)
+
+
+def force_scores(scores: Sequence[float], init_blocks: int = 0, local_blocks: int = 1) -> list[float]:
+    """The selection scores of one row's ``valid = len(scores)`` candidates.
+
+    ``b < init_blocks`` -> ``1e30``; then ``b >= valid - local_blocks`` -> ``1e29``
+    (local last); NaN -> ``-1e30``.
+    """
+    valid = len(scores)
+    forced = [float(s) for s in scores]
+    for b in range(valid):
+        if b < init_blocks:
+            forced[b] = INIT_SCORE
+    for b in range(valid):
+        if b >= valid - local_blocks:
+            forced[b] = LOCAL_SCORE
+    return [NAN_SCORE if math.isnan(s) else s for s in forced]
+
+
+def select_topk(scores: Sequence[float], topk: int) -> list[int]:
+    """Top-k of one row of candidate scores: ids by descending score, ties to the lower id,
+    ``-1`` past ``min(topk, len(scores))``. NaN counts as ``-1e30``."""
+    scores = [NAN_SCORE if math.isnan(s) else s for s in scores]
+    order = sorted(range(len(scores)), key=lambda b: (-scores[b], b))
+    chosen = order[:topk]
+    return chosen + [-1] * (topk - len(chosen))
+
+
+def block_score(index_q_row: torch.Tensor, index_k_block: torch.Tensor, visible: int) -> torch.Tensor:
+    """``max over the first visible tokens s of dot(index_q_row[h], index_k_block[s])`` per head, float32.
+
+    Args:
+        index_q_row: ``[H, Di]`` index queries of one row.
+        index_k_block: ``[128, Di]`` index keys of one block.
+        visible: tokens of the block the query sees (``1 .. 128``).
+    Returns:
+        ``[H]`` float32 (NaN if any visible dot is NaN).
+    """
+    dots = index_q_row.float() @ index_k_block[:visible].float().T  # [H, visible]
+    return dots.amax(dim=1)
+
+
+# --- the entry points ------------------------------------------------------------------------
+
+
+def _decode_rows(seq_lens: torch.Tensor, decode_query_len: int) -> list[tuple[int, int]]:
+    rows = []
+    for r, seq_len in enumerate(seq_lens.tolist()):
+        rows.extend((r, seq_len - decode_query_len + i) for i in range(decode_query_len))
+    return rows
+
+
+def _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced) -> torch.Tensor:
+    """``rows[n] = (request, p)``; the ``[H, N, M]`` float32 scores (``-inf`` for non-candidates)."""
+    n_rows, h, _ = index_q.shape
+    b, m = block_table.shape
+    num_blocks = index_cache.shape[0]
+    table = block_table.tolist()
+    scores = torch.full((h, n_rows, m), float("-inf"), dtype=torch.float32)
+    for n, (r, p) in enumerate(rows):
+        if not 0 <= r < b:  # a request id out of range: a padded row
+            continue
+        valid = candidate_blocks(p, table_width=m)
+        for blk in range(valid):
+            physical = table[r][blk]
+            if not 0 <= physical < num_blocks:  # never read: stays a candidate scoring -inf
+                continue
+            visible = min(p - blk * SPARSE_BLOCK_SIZE + 1, SPARSE_BLOCK_SIZE)
+            scores[:, n, blk] = block_score(index_q[n], index_cache[physical], visible).cpu()
+        if forced:
+            for head in range(h):
+                scores[head, n, :valid] = torch.tensor(
+                    force_scores(scores[head, n, :valid].tolist(), init_blocks, local_blocks), dtype=torch.float32
+                )
+    return scores.to(index_q.device)
+
+
+def _topk(scores: torch.Tensor, rows, topk: int) -> torch.Tensor:
+    """Top-k of every (head, row) of forced scores ``[H, N, M]`` over its ``valid`` candidates."""
+    h, n_rows, m = scores.shape
+    out = torch.full((h, n_rows, topk), -1, dtype=torch.int32)
+    for n, (r, p) in enumerate(rows):
+        valid = candidate_blocks(p, table_width=m) if r >= 0 else 0
+        for head in range(h):
+            out[head, n] = torch.tensor(select_topk(scores[head, n, :valid].tolist(), topk), dtype=torch.int32)
+    return out.to(scores.device)
+
+
+def _prefill_rows(block_table, query_req_id, query_abs_pos):
+    b = block_table.shape[0]
+    return [(r if 0 <= r < b else -1, p) for r, p in zip(query_req_id.tolist(), query_abs_pos.tolist())]
+
+
+def index_scores_decode(
+    index_q: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    decode_query_len: int = 1,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    forced: bool = False,
+) -> torch.Tensor:
+    """Block scores of decode rows (step 2).
+
+    Args:
+        index_q: ``[N, H, Di]`` index queries, ``N = B * decode_query_len``.
+        index_cache: ``[num_blocks, 128, Di]`` index keys, the dtype of ``index_q``.
+        block_table: ``[B, M]`` logical -> physical block of each request.
+        seq_lens: ``[B]`` tokens per request, the decode queries included.
+        decode_query_len: query tokens per request.
+        init_blocks, local_blocks: forced blocks (used only with ``forced``).
+        forced: apply forcing and NaN -> ``-1e30`` (the scores top-k ranks); else raw maxima.
+    Returns:
+        ``[H, N, M]`` float32; ``-inf`` for every non-candidate block.
+    """
+    check_decode(index_q, index_cache, block_table, seq_lens, None, decode_query_len, init_blocks, local_blocks)
+    rows = _decode_rows(seq_lens, decode_query_len)
+    return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
+
+
+def index_scores_prefill(
+    index_q: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_req_id: torch.Tensor,
+    query_abs_pos: torch.Tensor,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    forced: bool = False,
+) -> torch.Tensor:
+    """Block scores of prefill rows (step 2); arguments as :func:`index_scores_decode` except
+    ``query_req_id [N]`` / ``query_abs_pos [N]`` (negative position = padded row)."""
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, None, init_blocks, local_blocks)
+    rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
+    return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
+
+
+def index_topk_decode(
+    index_q: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: int,
+    decode_query_len: int = 1,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+) -> torch.Tensor:
+    """Selected blocks of decode rows (steps 2-3): ``[H, N, topk]`` int32, ``-1`` padding.
+
+    Args: as :func:`index_scores_decode`, plus ``topk``, the blocks selected per row.
+    """
+    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks)
+    rows = _decode_rows(seq_lens, decode_query_len)
+    scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced=True)
+    return _topk(scores, rows, topk)
+
+
+def index_topk_prefill(
+    index_q: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_req_id: torch.Tensor,
+    query_abs_pos: torch.Tensor,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+) -> torch.Tensor:
+    """Selected blocks of prefill rows (steps 2-3): ``[H, N, topk]`` int32, ``-1`` padding."""
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks)
+    rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
+    scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced=True)
+    return _topk(scores, rows, topk)
+
+
+def index_topk_block_table_decode(
+    index_q: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: int,
+    decode_query_len: int = 1,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`index_topk_decode`, then :func:`mm3lab.reference.build_sparse_block_table_decode` on its result.
+
+    Returns:
+        ``(topk_idx [H, N, topk], sparse_bt [H, N, topk * 8], sparse_ctx [H, N])``, all int32.
+    """
+    check_block_page_stride(block_page_stride)
+    topk_idx = index_topk_decode(
+        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks
+    )
+    sparse_bt, sparse_ctx = build_sparse_block_table_decode(
+        topk_idx, block_table, seq_lens, decode_query_len, block_page_stride
+    )
+    return topk_idx, sparse_bt, sparse_ctx
+
+
+def index_topk_block_table_prefill(
+    index_q: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_req_id: torch.Tensor,
+    query_abs_pos: torch.Tensor,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`index_topk_prefill`, then :func:`mm3lab.reference.build_sparse_block_table_prefill`."""
+    check_block_page_stride(block_page_stride)
+    topk_idx = index_topk_prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks
+    )
+    sparse_bt, sparse_ctx = build_sparse_block_table_prefill(
+        topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride
+    )
+    return topk_idx, sparse_bt, sparse_ctx
+
+
+def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Top-k of every row of a score tensor with the indexer's rule (step 3), every column a candidate.
+
+    Args:
+        scores: ``[..., W]`` float scores.
+        topk: ids per row.
+    Returns:
+        ``[..., topk]`` int32 ids by descending score, ties to the lower id, NaN as ``-1e30``,
+        ``-1`` past ``W``.
+    """
+    check_topk_scores(scores, topk)
+    rows = scores.reshape(-1, scores.shape[-1]).float().tolist()
+    picked = [select_topk(row, topk) for row in rows]
+    out = torch.tensor(picked, dtype=torch.int32).reshape(*scores.shape[:-1], topk)
+    return out.to(scores.device)
+
+
+__all__ = [
+    "block_score",
+    "candidate_blocks",
+    "force_scores",
+    "index_scores_decode",
+    "index_scores_prefill",
+    "index_topk_block_table_decode",
+    "index_topk_block_table_prefill",
+    "index_topk_decode",
+    "index_topk_prefill",
+    "select_topk",
+    "topk_blocks",
+]

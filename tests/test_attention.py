@@ -1,0 +1,437 @@
+"""Sparse paged attention (SPEC section 5): kernel, page-walking reference and dense-masked reference agree.
+
+Every case writes a request's contiguous K/V into a NaN-filled paged cache,
+selects blocks, builds the sparse block table and then checks
+
+* kernel (poisoned output) == page-walking reference, to the dtype's tolerance;
+* page-walking reference == dense-masked reference (whole sequence, mask
+  "causal and block selected"), the independent route, in float32.
+
+A read of any cache slot that was never written (past a sequence, a padded
+page) would bring a NaN into the output and fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mm3lab
+from mm3lab import reference
+from mm3lab.attention import kernel as attn_kernel
+from mm3lab.constants import PAGE_SIZE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
+from mm3lab.testing import assert_close, poison, relative_error
+
+# (atol, rtol) of the kernel against the float32 reference, per input dtype.
+TOLERANCE = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (3e-3, 3e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+REF_TOL = (1e-5, 1e-5)  # page-walking vs dense-masked reference (both float32 arithmetic)
+
+
+def dtypes_for(device):
+    return [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
+
+
+# ----------------------------------------------------------------------------
+# cases
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Case:
+    q: torch.Tensor  # [N, Hq, D]
+    key: torch.Tensor  # [B, S, Hkv, D] the requests' whole sequences
+    value: torch.Tensor
+    cache: mm3lab.PagedKVCache
+    block_table: torch.Tensor  # [B, M]
+    seq_lens: torch.Tensor  # [B]
+    topk_idx: torch.Tensor  # [Hkv, N, topk]
+    query_req_id: torch.Tensor  # [N]
+    query_abs_pos: torch.Tensor  # [N]
+    sparse_bt: torch.Tensor  # [Hkv, N, topk * 8]
+    sparse_ctx: torch.Tensor  # [Hkv, N]
+
+
+def build_table(topk_idx, block_table, query_req_id, query_abs_pos, stride):
+    """The sparse block table of SPEC section 3, row by row."""
+    return reference.build_sparse_block_table_prefill(
+        topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride=stride
+    )
+
+
+def make_case(
+    *, layout, mode, hkv, group, d, dtype, device, seq_lens, topk, seed, dql=1, rows=None, pad_rows=0
+) -> Case:
+    """A seeded case. ``mode``: ``"decode"`` (the last ``dql`` positions of each request) or ``"prefill"``."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(seq_lens)
+    s_max = max(max(seq_lens), 1)
+    m = math.ceil(s_max / SPARSE_BLOCK_SIZE)
+    num_blocks = b * m + 1
+    block_table = torch.randperm(num_blocks, generator=g)[: b * m].view(b, m).to(torch.int32)
+    key = torch.randn(b, s_max, hkv, d, generator=g).to(dtype)
+    value = torch.randn(b, s_max, hkv, d, generator=g).to(dtype)
+    cache = mm3lab.allocate_kv_cache(num_blocks, hkv, d, layout, dtype=dtype, device=device, fill=float("nan"))
+    with mm3lab.use_backend("torch"):  # the KV write is tested in test_layout; here it only fills the cache
+        for r, length in enumerate(seq_lens):
+            pos = torch.arange(length)
+            slots = block_table[r, pos // SPARSE_BLOCK_SIZE].long() * SPARSE_BLOCK_SIZE + pos % SPARSE_BLOCK_SIZE
+            mm3lab.write_kv_page16(
+                key[r, :length].to(device), value[r, :length].to(device), cache.k_cache, cache.v_cache,
+                slots.to(device),
+            )
+    if mode == "decode":
+        req = torch.arange(b).repeat_interleave(dql)
+        pos = torch.tensor(seq_lens)[req] - dql + torch.arange(b * dql) % dql
+    else:
+        pairs = [(r, p) for r, length in enumerate(seq_lens) for p in range(length)]
+        pick = torch.randperm(len(pairs), generator=g)[: rows or len(pairs)].tolist()
+        req = torch.tensor([pairs[i][0] for i in pick] + [0] * pad_rows, dtype=torch.long)
+        pos = torch.tensor([pairs[i][1] for i in pick] + [-1] * pad_rows, dtype=torch.long)
+    pos = torch.where(pos < 0, -1, pos)
+    n = req.shape[0]
+    topk_idx = torch.full((hkv, n, topk), -1, dtype=torch.int32)
+    for h in range(hkv):
+        for i in range(n):
+            p = int(pos[i])
+            if p < 0:
+                continue
+            self_blk = p // SPARSE_BLOCK_SIZE
+            pool = torch.randperm(self_blk + 1, generator=g).tolist()
+            count = int(torch.randint(1, topk + 1, (1,), generator=g))
+            chosen = pool[:count]
+            if torch.rand(1, generator=g) < 0.8 and self_blk not in chosen:  # usually the local block
+                chosen = [self_blk] + chosen[: topk - 1]
+            if torch.rand(1, generator=g) < 0.2 and len(chosen) < topk:  # a duplicate
+                chosen.append(chosen[0])
+            topk_idx[h, i, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+    q = torch.randn(n, hkv * group, d, generator=g).to(dtype)
+    req, pos = req.to(torch.int32), pos.to(torch.int32)
+    sparse_bt, sparse_ctx = build_table(topk_idx, block_table, req, pos, cache.block_page_stride)
+    to = dict(device=device)
+    return Case(
+        q.to(**to), key.to(**to), value.to(**to), cache, block_table.to(**to), torch.tensor(seq_lens).to(**to),
+        topk_idx.to(**to), req.to(**to), pos.to(**to), sparse_bt.to(**to), sparse_ctx.to(**to),
+    )
+
+
+def run_kernel(case: Case, **launch):
+    """The Triton kernel on poisoned outputs (``launch`` overrides num_splits / block_n)."""
+    n, hq, d = case.q.shape
+    out = poison(torch.empty_like(case.q))
+    lse = poison(torch.empty(n, hq, dtype=torch.float32, device=case.q.device))
+    if launch:
+        attn_kernel.sparse_attention_kernel(
+            case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx, d ** -0.5, out, lse,
+            **launch,
+        )
+    else:
+        out, lse = mm3lab.sparse_attention(
+            case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx, return_lse=True, out=out
+        )
+    return out, lse
+
+
+def run_reference(case: Case):
+    return reference.sparse_attention(
+        case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx, return_lse=True
+    )
+
+
+def run_dense(case: Case):
+    return reference.dense_masked_attention(
+        case.q.float(), case.key.float(), case.value.float(), case.topk_idx, case.query_req_id,
+        case.query_abs_pos, return_lse=True,
+    )
+
+
+def assert_lse_close(actual, expected, atol, rtol, name="lse"):
+    empty = torch.isinf(expected.cpu())
+    assert torch.equal(torch.isinf(actual.cpu()), empty), f"{name}: -inf (ctx == 0) rows differ"
+    assert_close(actual.cpu().masked_fill(empty, 0), expected.cpu().masked_fill(empty, 0), atol=atol, rtol=rtol, name=name)
+
+
+def check_all_agree(case: Case, **launch):
+    dtype = case.q.dtype
+    atol, rtol = TOLERANCE[dtype]
+    out_ref, lse_ref = run_reference(case)
+    out_k, lse_k = run_kernel(case, **launch)
+    assert out_k.dtype == dtype
+    assert_close(out_k, out_ref, atol=atol, rtol=rtol, name="kernel vs reference")
+    assert_lse_close(lse_k, lse_ref, atol=max(atol, 1e-4), rtol=rtol)
+    if dtype == torch.float32:
+        out_dense, lse_dense = run_dense(case)
+        assert_close(out_ref, out_dense, atol=REF_TOL[0], rtol=REF_TOL[1], name="reference vs dense-masked")
+        assert_lse_close(lse_ref, lse_dense, *REF_TOL)
+    return out_ref
+
+
+# ----------------------------------------------------------------------------
+# parametrized agreement
+# ----------------------------------------------------------------------------
+
+SHAPES = [(1, 1, 64), (2, 4, 128), (4, 3, 80), (1, 16, 96)]  # (Hkv, group size, head dim)
+MODES = [("decode", 1), ("decode", 3), ("prefill", None)]  # decode, speculative decode, prefill
+
+
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+@pytest.mark.parametrize("mode,dql", MODES, ids=["decode", "spec_decode", "prefill"])
+@pytest.mark.parametrize("hkv,group,d", SHAPES, ids=lambda v: str(v))
+def test_kernel_matches_references(device, layout, mode, dql, hkv, group, d):
+    for dtype in dtypes_for(device):
+        case = make_case(
+            layout=layout, mode=mode, hkv=hkv, group=group, d=d, dtype=dtype, device=device,
+            seq_lens=[300, 1, 141], topk=3, seed=hkv * 100 + group * 10 + d, dql=dql or 1, rows=6, pad_rows=1,
+        )
+        check_all_agree(case)
+
+
+@pytest.mark.parametrize("num_splits,block_n", [(1, 16), (2, 32), (3, 64), (7, 16), (64, 32)])
+def test_split_over_pages_and_merge(device, num_splits, block_n):
+    """Any split count and step size gives the same output; empty splits (past ctx) contribute nothing."""
+    case = make_case(
+        layout="packed", mode="decode", hkv=2, group=5, d=64, dtype=torch.float32, device=device,
+        seq_lens=[517, 20], topk=4, seed=num_splits,
+    )
+    check_all_agree(case, num_splits=num_splits, block_n=block_n)
+
+
+def test_ctx_zero_gives_zeros(device):
+    cache = mm3lab.allocate_kv_cache(2, 2, 32, "dense", device=device, fill=float("nan"))
+    q = torch.randn(3, 4, 32, device=device)
+    bt = torch.zeros(2, 3, 8, dtype=torch.int32, device=device)
+    ctx = torch.zeros(2, 3, dtype=torch.int32, device=device)
+    out = poison(torch.empty_like(q))
+    out, lse = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, bt, ctx, return_lse=True, out=out)
+    assert torch.equal(out.cpu(), torch.zeros(3, 4, 32))
+    assert torch.isinf(lse).all() and (lse < 0).all()
+
+
+def test_single_token_returns_its_value(device):
+    """ctx = 1: the softmax has one term, so the output is exactly that token's V."""
+    cache = mm3lab.allocate_kv_cache(2, 1, 16, "packed", device=device, fill=0.0)
+    cache.v_cache[16 + 3, 0, 0] = torch.arange(16.0)
+    q = torch.randn(1, 2, 16, device=device)
+    bt = torch.tensor([[[16 + 3] + [0] * 7]], dtype=torch.int32, device=device)
+    ctx = torch.ones(1, 1, dtype=torch.int32, device=device)
+    out = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, bt, ctx)
+    assert_close(out[0], torch.arange(16.0).expand(2, 16), atol=1e-6, rtol=0)
+
+
+def test_strided_inputs_and_scale(device):
+    """A transposed token-major table, a strided q and an explicit scale."""
+    case = make_case(
+        layout="dense", mode="decode", hkv=2, group=2, d=64, dtype=torch.float32, device=device,
+        seq_lens=[200, 129], topk=2, seed=7, dql=2,
+    )
+    q_wide = torch.randn(case.q.shape[0], case.q.shape[1], 2 * 64, device=device)
+    q = q_wide[..., ::2]  # last dim strided
+    bt_token_major = case.sparse_bt.transpose(0, 1).contiguous()  # [N, Hkv, W]
+    bt = bt_token_major.transpose(0, 1)
+    ctx = case.sparse_ctx.t().contiguous().t()
+    args = (q, case.cache.k_cache, case.cache.v_cache, bt, ctx, 0.3)
+    expected = reference.sparse_attention(*args)
+    assert_close(mm3lab.sparse_attention(*args), expected, atol=2e-5, rtol=2e-5)
+    assert_close(mm3lab.sparse_attention(q.contiguous(), *args[1:]), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_bf16_on_cpu_uses_the_exact_path():
+    case = make_case(
+        layout="dense", mode="decode", hkv=1, group=2, d=32, dtype=torch.bfloat16, device="cpu",
+        seq_lens=[40], topk=1, seed=3,
+    )
+    out = mm3lab.sparse_attention(case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx)
+    expected = run_dense(case)[0].to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, expected, *(), atol=1e-2, rtol=1e-2)
+
+
+# ----------------------------------------------------------------------------
+# property sweep
+# ----------------------------------------------------------------------------
+
+
+@st.composite
+def cases(draw, device):
+    hkv = draw(st.sampled_from([1, 2, 4]))
+    group = draw(st.integers(1, 16))
+    d = draw(st.sampled_from([64, 128, 48, 80]))
+    layout = draw(st.sampled_from(["dense", "packed"]))
+    mode = draw(st.sampled_from(["decode", "spec_decode", "prefill"]))
+    dtype = draw(st.sampled_from(dtypes_for(device)))
+    b = draw(st.integers(1, 3))
+    seq_lens = draw(st.lists(st.integers(0, 420), min_size=b, max_size=b))
+    if mode == "prefill" and sum(seq_lens) == 0:
+        seq_lens[0] = 1
+    topk = draw(st.integers(1, 4))
+    dql = draw(st.integers(2, 4)) if mode == "spec_decode" else 1
+    seed = draw(st.integers(0, 2**16))
+    return make_case(
+        layout=layout, mode="decode" if mode != "prefill" else "prefill", hkv=hkv, group=group, d=d, dtype=dtype,
+        device=device, seq_lens=seq_lens, topk=topk, seed=seed, dql=dql, rows=4, pad_rows=draw(st.integers(0, 1)),
+    )
+
+
+@settings(max_examples=25)
+@given(data=st.data())
+def test_property_sweep_cpu(data):
+    check_all_agree(data.draw(cases("cpu")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@settings(max_examples=100)
+@given(data=st.data())
+def test_property_sweep_cuda(data):
+    check_all_agree(data.draw(cases("cuda")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_model_shape_cuda(dtype, batch):
+    """64 query heads, 4 KV heads, head dim 128, top-k 16 over a few-thousand-token context."""
+    case = make_case(
+        layout="packed", mode="decode", hkv=4, group=16, d=128, dtype=dtype, device="cuda",
+        seq_lens=[3000 + 97 * i for i in range(batch)], topk=16, seed=batch,
+    )
+    check_all_agree(case)
+    out_dense, _ = run_dense(case)
+    atol, rtol = TOLERANCE[dtype]
+    out = run_kernel(case)[0]
+    assert_close(out, out_dense, atol=atol, rtol=rtol, name="kernel vs dense-masked")
+    assert relative_error(out, out_dense) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+# ----------------------------------------------------------------------------
+# bad input
+# ----------------------------------------------------------------------------
+
+
+def small_args(layout="dense", hkv=2, group=2, d=32, n=3, topk=2, device="cpu"):
+    cache = mm3lab.allocate_kv_cache(3, hkv, d, layout, fill=0.0, device=device)
+    stride = cache.block_page_stride
+    q = torch.randn(n, hkv * group, d, device=device)
+    pages = torch.arange(topk * PAGES_PER_SPARSE_BLOCK) % PAGES_PER_SPARSE_BLOCK + stride  # block 1's pages
+    bt = pages.to(torch.int32).expand(hkv, n, -1).contiguous().to(device)
+    ctx = torch.full((hkv, n), topk * SPARSE_BLOCK_SIZE - 5, dtype=torch.int32, device=device)
+    return q, cache, bt, ctx
+
+
+@pytest.mark.parametrize(
+    "mutate,error,match",
+    [
+        (lambda q, c, bt, ctx: (q[:, :3], c.k_cache, c.v_cache, bt, ctx), ValueError, "not a multiple"),
+        (lambda q, c, bt, ctx: (q[..., :16], c.k_cache, c.v_cache, bt, ctx), ValueError, "head dim"),
+        (lambda q, c, bt, ctx: (q.half(), c.k_cache, c.v_cache, bt, ctx), TypeError, "q: dtype"),
+        (lambda q, c, bt, ctx: (q, c.k_cache, c.v_cache, bt.float(), ctx), TypeError, "sparse_bt"),
+        (lambda q, c, bt, ctx: (q, c.k_cache, c.v_cache, bt[:1], ctx), ValueError, "sparse_bt"),
+        (lambda q, c, bt, ctx: (q, c.k_cache, c.v_cache, bt, ctx[:, :2]), ValueError, "sparse_ctx"),
+        (lambda q, c, bt, ctx: (q, c.k_cache, c.v_cache, bt.clone().fill_(24), ctx), ValueError, "outside the cache"),
+        (lambda q, c, bt, ctx: (q, c.k_cache, c.v_cache, bt.clone().fill_(-1), ctx), ValueError, "outside the cache"),
+        (lambda q, c, bt, ctx: (q, c.k_cache, c.v_cache, bt, ctx + 100), ValueError, "sparse_ctx: \\(head 0, row 0\\)"),
+        (lambda q, c, bt, ctx: (q, c.k_cache, c.v_cache, bt, ctx - 1000), ValueError, "sparse_ctx"),
+        (lambda q, c, bt, ctx: (q, c.k_cache, c.v_cache[:-8], bt, ctx), ValueError, "layout"),
+        (lambda q, c, bt, ctx: (q, c.k_cache[..., :16], c.v_cache, bt, ctx), ValueError, "v_cache"),
+        (lambda q, c, bt, ctx: (q.numpy(), c.k_cache, c.v_cache, bt, ctx), TypeError, "q:"),
+    ],
+)
+def test_bad_input_raises(mutate, error, match):
+    q, cache, bt, ctx = small_args()
+    with pytest.raises(error, match=match):
+        mm3lab.sparse_attention(*mutate(q, cache, bt, ctx))
+    with pytest.raises(error, match=match):
+        reference.sparse_attention(*mutate(q, cache, bt, ctx))
+
+
+def test_bad_input_names_row_and_page():
+    q, cache, bt, ctx = small_args(n=4)
+    bt[1, 2, 9] = 999
+    with pytest.raises(ValueError, match=r"sparse_bt: \(head 1, row 2\) entry 9 is page 999"):
+        mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, bt, ctx)
+    bt[1, 2, 9] = 8
+    ctx[1, 2] = 0  # unused page ids are not checked
+    bt[1, 2, :] = 999
+    mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, bt, ctx)
+
+
+def test_views_of_different_layouts_raise():
+    dense = mm3lab.allocate_kv_cache(2, 1, 16, "dense", fill=0.0)
+    packed = mm3lab.allocate_kv_cache(2, 1, 16, "packed", fill=0.0)
+    q = torch.randn(1, 1, 16)
+    bt = torch.zeros(1, 1, 8, dtype=torch.int32)
+    ctx = torch.ones(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="layout"):
+        mm3lab.sparse_attention(q, dense.k_cache, packed.v_cache, bt, ctx)
+
+
+def test_dense_stride_table_on_packed_cache_raises():
+    q, cache, bt, ctx = small_args(layout="packed")
+    bt = (bt % PAGES_PER_SPARSE_BLOCK) + 8  # ids 8..15: the V pages of block 0 in the packed layout
+    with pytest.raises(ValueError, match="block_page_stride=16"):
+        mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, bt, ctx)
+
+
+def test_out_buffer_checked():
+    q, cache, bt, ctx = small_args()
+    with pytest.raises(ValueError, match="out"):
+        mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, bt, ctx, out=torch.empty(1, 4, 32))
+    with pytest.raises(TypeError, match="out"):
+        mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, bt, ctx, out=torch.empty_like(q).half())
+
+
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+def test_no_read_outside_the_cache_with_validation_off(device, layout):
+    """Views cut out of a NaN-filled buffer: a page id past them, or a ctx past the row, reads nothing outside."""
+    hkv, d = 2, 32
+    guard = mm3lab.allocate_kv_cache(6, hkv, d, layout, fill=float("nan"), device=device)
+    inner = guard.kv[2:4]  # the cache the kernel is told about: blocks 2, 3 of a larger NaN buffer
+    g = torch.Generator().manual_seed(0)
+    inner.copy_(torch.randn(inner.shape, generator=g).to(device))
+    k_cache, v_cache = mm3lab.page16_views(inner, layout) if layout == "packed" else _dense_views(guard, 2, 4)
+    stride = mm3lab.sparse_block_page_stride(k_cache, v_cache)
+    n, topk = 3, 2
+    pages = torch.tensor([j + stride * (j % 2) for j in range(PAGES_PER_SPARSE_BLOCK)] * topk, dtype=torch.int32)
+    bt = pages.expand(hkv, n, -1).contiguous()
+    bt[0, 0, 3] = k_cache.shape[0] + 50  # past the cache
+    bt[1, 1, 0] = -7  # negative
+    bt[0, 2, 5] = 2**30  # far past
+    ctx = torch.tensor([[250, 256, 9999], [17, 256, -4]], dtype=torch.int32)
+    q = torch.randn(n, hkv * 2, d, generator=g).to(device)
+    bt, ctx = bt.to(device), ctx.to(device)
+    with mm3lab.validation(False):
+        out_k, lse_k = mm3lab.sparse_attention(q, k_cache, v_cache, bt, ctx, return_lse=True)
+        out_r, lse_r = reference.sparse_attention(q, k_cache, v_cache, bt, ctx, return_lse=True)
+    assert not torch.isnan(out_k).any()
+    assert_close(out_k, out_r, atol=2e-5, rtol=2e-5)
+    assert_lse_close(lse_k, lse_r, 1e-4, 2e-5)
+    with pytest.raises(ValueError):
+        mm3lab.sparse_attention(q, k_cache, v_cache, bt, ctx)
+
+
+def _dense_views(guard, lo, hi):
+    """Dense-plane views of blocks ``lo .. hi-1`` of a larger dense cache."""
+    planes = guard.kv.permute(1, 0, 2, 3, 4)  # [2, nb, 128, H, D]
+    h, d = guard.kv.shape[3], guard.kv.shape[4]
+    k = planes[0, lo:hi].reshape(-1, PAGE_SIZE, h, d)
+    v = planes[1, lo:hi].reshape(-1, PAGE_SIZE, h, d)
+    return k, v
+
+
+def test_launch_config_heuristic():
+    cpu = torch.device("cpu")
+    big = attn_kernel.launch_config(4096, 64, 4, 128, 128, cpu)
+    assert big["num_splits"] == 1
+    small = attn_kernel.launch_config(1, 64, 4, 128, 128, cpu)
+    assert small["num_splits"] >= 1 and small["BLOCK_N"] % PAGE_SIZE == 0
+    wide = attn_kernel.launch_config(1, 8, 1, 256, 8, cpu)["BLOCK_N"]
+    assert wide == attn_kernel.launch_config(1, 8, 1, 128, 8, cpu)["BLOCK_N"] // 2  # fewer tokens per step past D 128

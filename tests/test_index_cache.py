@@ -1,0 +1,241 @@
+"""The index cache insert (SPEC section 2, step 1): kernel against reference, bit for bit.
+
+* parametrized dtypes (float32, float16, bfloat16: the insert only moves bits), strided
+  ``index_k``, int32/int64 slots, padding slots, the cache poisoned with NaN first;
+* a hypothesis sweep of sizes, head dims and slot patterns;
+* bad input raises a clear error naming the argument and leaves the cache bit-identical;
+  with validation off a slot past the cache is skipped, never written;
+* ``token_slots`` and a prefill-then-decode fill through the same block table as the KV cache;
+* on CUDA: 4096 tokens of head dim 128 in bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mm3lab
+from mm3lab import reference
+from mm3lab.compat import vllm
+from mm3lab.constants import SPARSE_BLOCK_SIZE as BLOCK
+from mm3lab.index_cache import allocate_index_cache, insert_index_cache, token_slots
+from mm3lab.testing import poison
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits (NaN compares equal to itself this way)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_bits(actual, expected, name="index_cache"):
+    if not torch.equal(bits(actual).cpu(), bits(expected).cpu()):
+        diff = torch.nonzero(bits(actual).cpu() != bits(expected).cpu())
+        raise AssertionError(f"{name}: {diff.shape[0]} entries differ, first at {tuple(diff[0].tolist())}")
+
+
+def run_both(index_k, cache, slots):
+    """Insert with the public entry (kernel on this backend), the torch backend and the reference
+    into three copies of ``cache``; all must be bit-identical. Returns the kernel's cache."""
+    copies = [cache.clone() for _ in range(3)]
+    insert_index_cache(index_k, copies[0], slots)
+    with mm3lab.use_backend("torch"):
+        insert_index_cache(index_k, copies[1], slots)
+    reference.insert_index_cache(index_k, copies[2], slots)
+    assert_same_bits(copies[0], copies[2])
+    assert_same_bits(copies[1], copies[2])
+    return copies[0]
+
+
+def random_slots(n, num_blocks, gen, pad_every=0, dtype=torch.int64):
+    slots = torch.randperm(num_blocks * BLOCK, generator=gen)[:n]
+    if pad_every:
+        slots[::pad_every] = -1
+    return slots.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("n,di", [(1, 8), (37, 24), (130, 64)])
+def test_insert_matches_reference(device, dtype, slot_dtype, n, di):
+    gen = torch.Generator().manual_seed(n * 7 + di)
+    num_blocks = 3
+    cache = poison(allocate_index_cache(num_blocks, di, dtype=dtype, device=device))
+    index_k = torch.randn(n, di, generator=gen).to(dtype).to(device)
+    slots = random_slots(n, num_blocks, gen, pad_every=5, dtype=slot_dtype).to(device)
+    got = run_both(index_k, cache, slots)
+    # every written slot holds its key; every other slot is still poison
+    flat = got.view(-1, di).cpu()
+    written = torch.zeros(num_blocks * BLOCK, dtype=torch.bool)
+    for row, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert_same_bits(flat[s], index_k[row].cpu(), f"slot {s}")
+            written[s] = True
+    assert torch.isnan(flat[~written].float()).all()
+
+
+def test_strided_index_k_and_cache(device):
+    gen = torch.Generator().manual_seed(3)
+    di = 20
+    wide = torch.randn(50, 2 * di, generator=gen).to(device)
+    index_k = wide[:, 5 : 5 + di]  # row stride 2 * di
+    transposed = torch.randn(di, 50, generator=gen).to(device).T  # last dim not contiguous: allowed for index_k
+    backing = poison(torch.empty(4, BLOCK, 2 * di, device=device))
+    cache = backing[..., :di]  # block and token strides of a wider buffer, head dim contiguous
+    slots = random_slots(50, 4, gen, pad_every=7).to(device)
+    for keys in (index_k, transposed):
+        got = run_both(keys, cache, slots)
+        assert_same_bits(got.view(-1, di)[slots[1]], keys[1])
+
+
+@settings(max_examples=25)
+@given(
+    n=st.integers(0, 70),
+    di=st.sampled_from([1, 3, 16, 40]),
+    num_blocks=st.integers(1, 3),
+    pad=st.sampled_from([0, 2, 3]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_insert_sweep(n, di, num_blocks, pad, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    n = min(n, num_blocks * BLOCK)
+    cache = poison(allocate_index_cache(num_blocks, di, dtype=dtype))
+    index_k = torch.randn(n, di, generator=gen).to(dtype)
+    slots = random_slots(n, num_blocks, gen, pad_every=pad)
+    run_both(index_k, cache, slots)
+
+
+def test_vllm_name(device):
+    gen = torch.Generator().manual_seed(0)
+    cache = poison(allocate_index_cache(2, 16, device=device))
+    index_k = torch.randn(9, 16, generator=gen).to(device)
+    slots = random_slots(9, 2, gen, pad_every=4).to(device)
+    expected = cache.clone()
+    reference.insert_index_cache(index_k, expected, slots)
+    vllm.minimax_m3_insert_index_cache(index_k, cache, slots)
+    assert_same_bits(cache, expected)
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+BAD = [
+    # (what, index_k shape / dtype, cache shape / dtype, slots, error, argument named)
+    ("index_k rank", (4, 1, 16), torch.float32, (2, BLOCK, 16), torch.float32, "ok", ValueError, "index_k"),
+    ("head dim", (4, 8), torch.float32, (2, BLOCK, 16), torch.float32, "ok", ValueError, "head dim"),
+    ("cache rank", (4, 16), torch.float32, (2 * BLOCK, 16), torch.float32, "ok", ValueError, "index_cache"),
+    ("block size", (4, 16), torch.float32, (2, 64, 16), torch.float32, "ok", ValueError, "index_cache"),
+    ("dtype", (4, 16), torch.float16, (2, BLOCK, 16), torch.float32, "ok", TypeError, "index_k"),
+    ("int cache", (4, 16), torch.float32, (2, BLOCK, 16), torch.int32, "ok", TypeError, "index_cache"),
+    ("slot length", (4, 16), torch.float32, (2, BLOCK, 16), torch.float32, "short", ValueError, "slot_mapping"),
+    ("float slots", (4, 16), torch.float32, (2, BLOCK, 16), torch.float32, "float", TypeError, "slot_mapping"),
+    ("slot rank", (4, 16), torch.float32, (2, BLOCK, 16), torch.float32, "2d", ValueError, "slot_mapping"),
+    ("slot past cache", (4, 16), torch.float32, (2, BLOCK, 16), torch.float32, "past", ValueError, "row 2"),
+]
+
+
+@pytest.mark.parametrize("what,k_shape,k_dtype,c_shape,c_dtype,slots,error,named", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_and_leaves_cache_untouched(device, what, k_shape, k_dtype, c_shape, c_dtype, slots, error,
+                                                     named):
+    index_k = torch.ones(k_shape, dtype=k_dtype, device=device)
+    cache = poison(torch.empty(c_shape, dtype=c_dtype, device=device)) if c_dtype.is_floating_point else \
+        torch.full(c_shape, 7, dtype=c_dtype, device=device)
+    n = k_shape[0]
+    slot_mapping = {
+        "ok": torch.arange(n, device=device),
+        "short": torch.arange(n - 1, device=device),
+        "float": torch.arange(n, device=device).float(),
+        "2d": torch.arange(n, device=device).view(n, 1),
+        "past": torch.tensor([0, 1, 2 * BLOCK, 3], device=device),
+    }[slots]
+    before = cache.clone()
+    for entry in (insert_index_cache, reference.insert_index_cache, vllm.minimax_m3_insert_index_cache):
+        with pytest.raises(error, match=named):
+            entry(index_k, cache, slot_mapping)
+        assert_same_bits(cache, before)
+
+
+def test_non_contiguous_cache_head_dim_and_device_mix(device):
+    cache = torch.zeros(2, 16, BLOCK, device=device).transpose(1, 2)  # [2, 128, 16], head dim stride 128
+    with pytest.raises(ValueError, match="index_cache: the last dimension must be contiguous"):
+        insert_index_cache(torch.ones(3, 16, device=device), cache, torch.arange(3, device=device))
+    with pytest.raises(TypeError, match="index_k: expected a torch.Tensor"):
+        insert_index_cache([1.0], torch.zeros(2, BLOCK, 16, device=device), torch.arange(1, device=device))
+    if device == "cuda":
+        with pytest.raises(ValueError, match="slot_mapping is on cpu"):
+            insert_index_cache(torch.ones(3, 16, device=device), torch.zeros(2, BLOCK, 16, device=device),
+                               torch.arange(3))
+
+
+def test_slot_past_cache_with_validation_off_is_skipped(device):
+    cache = poison(allocate_index_cache(2, 16, device=device))
+    index_k = torch.arange(4 * 16, dtype=torch.float32, device=device).view(4, 16)
+    slots = torch.tensor([5, 2 * BLOCK, 10**9, 7], device=device)
+    with mm3lab.validation(False):
+        got = run_both(index_k, cache, slots)
+    flat = got.view(-1, 16)
+    assert torch.equal(flat[5], index_k[0]) and torch.equal(flat[7], index_k[3])
+    assert int(torch.isnan(flat).all(dim=1).sum()) == 2 * BLOCK - 2  # nothing else written, nowhere outside
+
+
+def test_empty_insert_is_a_no_op(device):
+    cache = poison(allocate_index_cache(1, 8, device=device))
+    before = cache.clone()
+    insert_index_cache(torch.empty(0, 8, device=device), cache, torch.empty(0, dtype=torch.int64, device=device))
+    assert_same_bits(cache, before)
+
+
+# --- slots from positions, and a prefill then decode fill -----------------------------------
+
+
+def test_token_slots_follow_the_spec(device):
+    bt = torch.tensor([[3, 1], [0, 2]], device=device)
+    req = torch.tensor([0, 0, 1, 1, 0], device=device)
+    pos = torch.tensor([0, 130, -1, 255, 127], device=device)
+    want = [3 * BLOCK, 1 * BLOCK + 2, -1, 2 * BLOCK + 127, 3 * BLOCK + 127]
+    assert token_slots(bt, req, pos).tolist() == want
+    assert reference.token_slots(bt, req, pos).tolist() == want
+    with pytest.raises(ValueError, match="query_abs_pos: row 0"):
+        token_slots(bt, req[:1], torch.tensor([2 * BLOCK], device=device))
+    with pytest.raises(ValueError, match="query_req_id: row 1"):
+        token_slots(bt, torch.tensor([0, 2], device=device), torch.tensor([0, 0], device=device))
+
+
+def test_prefill_then_decode_fill_matches_the_sequence(device):
+    """Prefill 200 tokens of request 0 and 70 of request 1 (one padded row), then 3 decode steps:
+    gathering the cache through the block table gives back each request's keys in order."""
+    gen = torch.Generator().manual_seed(11)
+    di = 8
+    bt = torch.tensor([[4, 0, 2], [1, 3, 5]], device=device)
+    cache = poison(allocate_index_cache(6, di, device=device))
+    lens = [200, 70]
+    keys = [torch.randn(260, di, generator=gen).to(device) for _ in lens]
+    req = torch.tensor([0] * 200 + [1] * 70 + [0], device=device)
+    pos = torch.cat([torch.arange(200), torch.arange(70), torch.tensor([-1])]).to(device)
+    k = torch.cat([keys[0][:200], keys[1][:70], torch.zeros(1, di, device=device)])
+    insert_index_cache(k, cache, token_slots(bt, req, pos))
+    for _ in range(3):  # one decode token per request
+        step_pos = torch.tensor(lens, device=device)
+        step_k = torch.stack([keys[r][lens[r]] for r in range(2)])
+        insert_index_cache(step_k, cache, token_slots(bt, torch.tensor([0, 1], device=device), step_pos))
+        lens = [x + 1 for x in lens]
+    for r, seq_len in enumerate(lens):
+        gathered = cache[bt[r].long()].reshape(-1, di)[:seq_len]
+        assert torch.equal(gathered, keys[r][:seq_len])
+        assert torch.isnan(cache[bt[r].long()].reshape(-1, di)[seq_len:]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_large_bf16_insert_on_cuda():
+    gen = torch.Generator().manual_seed(5)
+    cache = poison(allocate_index_cache(4096, 128, dtype=torch.bfloat16, device="cuda"))
+    index_k = torch.randn(4096, 128, generator=gen).to(torch.bfloat16).cuda()
+    slots = random_slots(4096, 4096, gen, pad_every=9).cuda()
+    expected = cache.clone()
+    expected.view(-1, 128)[slots[slots >= 0]] = index_k[slots >= 0]
+    insert_index_cache(index_k, cache, slots)
+    assert_same_bits(cache, expected)
