@@ -1,0 +1,62 @@
+"""SPEC section 6: the names that must stay importable, at the top level, in mm3lab.reference and in compat."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import mm3lab
+from mm3lab import reference
+from mm3lab.compat import vllm
+
+TOP_LEVEL = [
+    "build_sparse_block_table_decode",
+    "build_sparse_block_table_prefill",
+    "insert_index_cache",
+    "index_topk_decode",
+    "index_topk_prefill",
+    "sparse_attention",
+    "sides_are_packed",
+    "sparse_block_page_stride",
+    "rebase_block_table_to_page16",
+    "rebase_slot_mapping_to_page16",
+]
+CONSTANTS = {"SPARSE_BLOCK_SIZE": 128, "PAGE_SIZE": 16, "PAGES_PER_SPARSE_BLOCK": 8, "PAGE16_SIDES_PER_BLOCK": 2}
+VLLM = [
+    "minimax_m3_build_sparse_block_table_decode",
+    "minimax_m3_build_sparse_block_table_prefill",
+    "minimax_m3_insert_index_cache",
+    "minimax_m3_rebase_block_table_to_page16",
+    "minimax_m3_sparse_block_page_stride",
+]
+
+
+@pytest.mark.parametrize("name", TOP_LEVEL)
+def test_every_entry_point_has_a_reference_twin_with_the_same_signature(name):
+    public, twin = getattr(mm3lab, name), getattr(reference, name)
+    assert callable(public) and callable(twin)
+    assert list(inspect.signature(public).parameters) == list(inspect.signature(twin).parameters)
+
+
+@pytest.mark.parametrize("name,value", sorted(CONSTANTS.items()))
+def test_constants(name, value):
+    assert getattr(mm3lab, name) == value
+    assert getattr(reference, name) == value
+
+
+@pytest.mark.parametrize("name", VLLM)
+def test_vllm_names(name):
+    assert callable(getattr(vllm, name))
+
+
+def test_spec_parameter_names_and_defaults():
+    sig = inspect.signature(mm3lab.build_sparse_block_table_decode)
+    assert sig.parameters["decode_query_len"].default == 1
+    assert sig.parameters["block_page_stride"].default == 8
+    sig = inspect.signature(mm3lab.index_topk_decode)
+    assert list(sig.parameters)[:5] == ["index_q", "index_cache", "block_table", "seq_lens", "topk"]
+    assert sig.parameters["init_blocks"].default == 0 and sig.parameters["local_blocks"].default == 1
+    sig = inspect.signature(mm3lab.sparse_attention)
+    assert list(sig.parameters)[:6] == ["q", "k_cache", "v_cache", "sparse_bt", "sparse_ctx", "scale"]
+    assert sig.parameters["scale"].default is None
