@@ -318,13 +318,16 @@ def _kernel_scores(q, cache, bt, req, pos, dql, prefill, forced, **overrides):
 
 @pytest.mark.parametrize("blocks_per_program", [1, 2, 3])
 @pytest.mark.parametrize("block_q", [1, 2])
-def test_scoring_chunks_and_row_tiles(device, blocks_per_program, block_q):
-    """The grid split over block chunks and several row tiles per request (speculative decode)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scoring_chunks_and_row_tiles(device, blocks_per_program, block_q, dtype):
+    """The grid split over block chunks and several row tiles per request (speculative decode:
+    5 rows a request, in tiles of 1 (float32: 16 lanes) or 1 and 4 (float16: 16 or 64 lanes))."""
     gen = torch.Generator().manual_seed(blocks_per_program * 10 + block_q)
-    q, cache, bt, seq_lens = decode_problem(gen, b=2, m=5, h=16, di=16, dql=3, seq_lens=[600, 130], device=device)
+    q, cache, bt, seq_lens = decode_problem(gen, b=2, m=5, h=16, di=16, dql=5, seq_lens=[600, 130], device=device,
+                                            dtype=dtype)
     for forced in (False, True):
-        want = reference.index_scores_decode(q, cache, bt, seq_lens, 3, 1, 1, forced=forced)
-        got = _kernel_scores(q, cache, bt, seq_lens, seq_lens, 3, False, forced,
+        want = reference.index_scores_decode(q, cache, bt, seq_lens, 5, 1, 1, forced=forced)
+        got = _kernel_scores(q, cache, bt, seq_lens, seq_lens, 5, False, forced,
                              block_q=block_q, blocks_per_program=blocks_per_program)
         assert_same_scores(got, want)
 
@@ -560,7 +563,7 @@ def test_cuda_prefill_chunk(device):
     _cuda_only(device)
     gen = torch.Generator().manual_seed(23)
     req = [0] * 200 + [1] * 56
-    pos = list(range(8000, 8200)) + list(range(0, 56 * 40, 40))
+    pos = list(range(7990, 8190)) + list(range(0, 56 * 40, 40))  # the table holds 64 * 128 = 8192 tokens
     args = prefill_problem(gen, b=2, m=64, h=4, di=128, req=req, pos=pos, dtype=torch.bfloat16, device=device)
     check_all_paths("prefill", args, 16, 0, 1)
 

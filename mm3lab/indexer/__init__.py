@@ -28,9 +28,10 @@ Entry points (decode rows take ``p = seq_lens[r] - dql + i`` for row
 Every call is two launches at most (scores, then top-k with or without the
 table). float32/float16 run the kernels on every backend; bfloat16 runs them
 where compiled (CUDA) and the PyTorch reference on the interpreter backend,
-whose bfloat16 arithmetic is inexact. Value checks (validation on, the default)
-cost one device sync; see :mod:`mm3lab.indexer.checks` for what they reject and
-the fallback with validation off.
+whose bfloat16 arithmetic is inexact. float32 with more than 16 index heads also
+takes the PyTorch path on a GPU (the exact float32 dot is kept to 16-lane tiles).
+Value checks (validation on, the default) cost one device sync; see
+:mod:`mm3lab.indexer.checks` for what they reject and the fallback with validation off.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ __all__ = [
 
 def _use_kernel(index_q, *tensors) -> bool:
     interpreted_bf16 = backend.INTERPRETER and index_q.dtype == torch.bfloat16
-    return backend.use_kernel(index_q, *tensors) and not interpreted_bf16
+    # float32 tiles are kept at 16 lanes (see kernel.index_scores_kernel); more than 16 index
+    # heads would need wider ones, so such float32 calls take the PyTorch path on a GPU.
+    wide_fp32 = index_q.dtype == torch.float32 and index_q.shape[1] > 16 and not backend.INTERPRETER
+    return backend.use_kernel(index_q, *tensors) and not interpreted_bf16 and not wide_fp32
 
 
 def _scores(index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced):

@@ -215,6 +215,12 @@ def index_scores_kernel(
     if block_q is None:
         block_q = max(1, min(triton.next_power_of_2(group), 64 // block_h))
     block_q = max(block_q, 16 // block_h)  # tl.dot needs at least 16 lanes
+    if index_q.dtype == torch.float32:
+        # float32 scores use the exact (FMA, not TF32) dot; on the H200 it compiled at 16 lanes but
+        # not at 32, so float32 tiles stay at 16 lanes (float32 is the reference dtype, not the fast one).
+        block_q = max(1, 16 // block_h)
+    elif block_q * block_h == 32:
+        block_q *= 2  # 16 or 64 lanes: the shapes the MMA path was checked with
     if prefill:
         tiles, tiles_per_req = triton.cdiv(n, block_q), 1
     else:

@@ -29,7 +29,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from ..constants import DEFAULT_TOPK, SPARSE_BLOCK_SIZE
+from ..constants import SPARSE_BLOCK_SIZE
 from ..indexer.analysis import MassCurve, Selection, attention_mass_captured, default_positions, select_for_sequence
 
 SELECTED_COLOR = "#d62728"
