@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from .constants import PAGE16_SIDES_PER_BLOCK, PAGES_PER_SPARSE_BLOCK
+
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -112,3 +114,42 @@ def first_bad_row(mask: torch.Tensor) -> int | None:
     bad = mask.reshape(mask.shape[0], -1).any(dim=1) if mask.dim() > 1 else mask
     idx = torch.nonzero(bad)
     return int(idx[0, 0]) if idx.numel() else None
+
+
+BLOCK_PAGE_STRIDES = (PAGES_PER_SPARSE_BLOCK, PAGES_PER_SPARSE_BLOCK * PAGE16_SIDES_PER_BLOCK)
+"""Page ids per physical block: 8 (dense planes) or 16 (packed sides)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_int(name: str, value, *, minimum: int) -> int:
+    """A Python int (not a bool, not a tensor) ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a Python int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def check_block_page_stride(block_page_stride) -> int:
+    """``block_page_stride``: 8 (dense planes) or 16 (packed sides)."""
+    dense, packed = BLOCK_PAGE_STRIDES
+    if isinstance(block_page_stride, bool) or not isinstance(block_page_stride, int):
+        raise TypeError(f"block_page_stride: expected a Python int (8 or 16), got {type(block_page_stride).__name__}")
+    if block_page_stride not in BLOCK_PAGE_STRIDES:
+        raise ValueError(
+            f"block_page_stride: expected {dense} (dense planes) or {packed} (packed sides), got {block_page_stride}"
+        )
+    return block_page_stride
+
+
+def raise_first(checks) -> None:
+    """``checks``: ``(mask, message(row))`` pairs; raise for the first mask holding a True (one sync in all)."""
+    if not checks:
+        return
+    anys = torch.stack([mask.any() for mask, _ in checks]).tolist()
+    for (mask, message), bad in zip(checks, anys):
+        if bad:
+            raise ValueError(message(first_bad_row(mask)))

@@ -10,31 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_index, check_out, check_same_device, first_bad_row, validation_enabled
+from .._checks import BLOCK_PAGE_STRIDES  # noqa: F401  (re-exported)
+from .._checks import check_block_page_stride as _check_stride
+from .._checks import check_int as _check_int
+from .._checks import check_index, check_out, check_same_device, validation_enabled
+from .._checks import raise_first as _raise_first
 from ..constants import PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
-from ..layout.views import DENSE_STRIDE, PACKED_STRIDE
-
-BLOCK_PAGE_STRIDES = (DENSE_STRIDE, PACKED_STRIDE)
-"""Page ids per physical block: 8 (dense planes) or 16 (packed sides)."""
 
 
-def _check_int(name: str, value, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected a Python int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
 
 
-def _check_stride(block_page_stride) -> int:
-    if isinstance(block_page_stride, bool) or not isinstance(block_page_stride, int):
-        raise TypeError(f"block_page_stride: expected a Python int (8 or 16), got {type(block_page_stride).__name__}")
-    if block_page_stride not in BLOCK_PAGE_STRIDES:
-        raise ValueError(
-            f"block_page_stride: expected {DENSE_STRIDE} (dense planes) or {PACKED_STRIDE} (packed sides), "
-            f"got {block_page_stride}"
-        )
-    return block_page_stride
 
 
 def _check_outputs(out, h: int, n: int, k: int, device) -> None:
@@ -56,14 +41,6 @@ def _check_common(topk_idx, block_table, block_page_stride, out):
     return h, n, k
 
 
-def _raise_first(checks) -> None:
-    """``checks``: ``(mask, message(row))`` pairs; raise for the first mask with a True (one sync in all)."""
-    if not checks:
-        return
-    anys = torch.stack([mask.any() for mask, _ in checks]).tolist()
-    for (mask, message), bad in zip(checks, anys):
-        if bad:
-            raise ValueError(message(first_bad_row(mask)))
 
 
 def _topk_past_table(topk_idx: torch.Tensor, width: int):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import dtype_name as _dtype_name
 from .._checks import (
     FLOAT_DTYPES,
     check_index,
@@ -23,8 +24,6 @@ from .._checks import (
 from ..constants import SPARSE_BLOCK_SIZE
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def check_index_cache(index_cache) -> None:

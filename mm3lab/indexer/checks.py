@@ -19,36 +19,25 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_index, check_same_device, check_tensor, first_bad_row, validation_enabled
+from .._checks import (  # noqa: F401  (check_block_page_stride, check_int re-exported)
+    FLOAT_DTYPES,
+    check_block_page_stride,
+    check_index,
+    check_int,
+    check_same_device,
+    check_tensor,
+    validation_enabled,
+)
+from .._checks import dtype_name as _dtype_name
+from .._checks import raise_first as _raise_first
 from ..constants import SPARSE_BLOCK_SIZE
 from ..index_cache.checks import check_index_cache
-from ..layout.views import DENSE_STRIDE, PACKED_STRIDE
-
-BLOCK_PAGE_STRIDES = (DENSE_STRIDE, PACKED_STRIDE)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
-def check_int(name: str, value, *, minimum: int) -> int:
-    """A Python int (not a bool, not a tensor) ``>= minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected a Python int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
 
 
-def check_block_page_stride(block_page_stride) -> int:
-    if isinstance(block_page_stride, bool) or not isinstance(block_page_stride, int):
-        raise TypeError(f"block_page_stride: expected a Python int (8 or 16), got {type(block_page_stride).__name__}")
-    if block_page_stride not in BLOCK_PAGE_STRIDES:
-        raise ValueError(
-            f"block_page_stride: expected {DENSE_STRIDE} (dense planes) or {PACKED_STRIDE} (packed sides), "
-            f"got {block_page_stride}"
-        )
-    return block_page_stride
 
 
 def check_topk_scores(scores, topk) -> None:
@@ -79,14 +68,6 @@ def _check_common(index_q, index_cache, block_table, topk, init_blocks, local_bl
     check_int("local_blocks", local_blocks, minimum=0)
 
 
-def _raise_first(checks) -> None:
-    """``checks``: ``(mask, message(row))`` pairs; raise for the first mask holding a True (one sync in all)."""
-    if not checks:
-        return
-    anys = torch.stack([mask.any() for mask, _ in checks]).tolist()
-    for (mask, message), bad in zip(checks, anys):
-        if bad:
-            raise ValueError(message(first_bad_row(mask)))
 
 
 def _table_entries_check(block_table, blocks_used, num_blocks):
