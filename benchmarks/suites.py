@@ -47,16 +47,20 @@ def _decode_problem(batch: int, context: int, *, hkv=NUM_KV_HEADS, topk=TOPK, de
     )
 
 
-def run_launch_overhead(ctx: Context) -> float:
+def run_launch_overhead(ctx: Context) -> dict:
+    """The floor every launch-bound kernel is compared with: an empty Triton kernel, per launch
+    in a CUDA graph of many, and through do_bench (one launch from Python per timing)."""
     x = torch.empty(1, device="cuda")
-    ms = bench_graph(lambda: _empty_kernel[(1,)](x))
-    ctx.add("launch_empty_triton", {"grid": 1}, ms, None, None, None, note="CUDA-graph replay of an empty Triton kernel")
-    ms_eager = bench(lambda: _empty_kernel[(1,)](x))
-    ctx.add("launch_empty_triton_eager", {"grid": 1}, ms_eager, None, None, None, note="do_bench of an empty Triton kernel")
-    return ms
+    fn = lambda: _empty_kernel[(1,)](x)  # noqa: E731
+    floor = {"graph": bench_graph(fn), "do_bench": bench(fn)}
+    ctx.add("launch_empty_triton", {"grid": 1}, floor["graph"], None, None, None,
+            note="empty Triton kernel, 200 launches per CUDA graph, time per launch")
+    ctx.add("launch_empty_triton_eager", {"grid": 1}, floor["do_bench"], None, None, None,
+            note="do_bench of an empty Triton kernel")
+    return floor
 
 
-def run_block_table(ctx: Context, empty_ms: float) -> None:
+def run_block_table(ctx: Context, floor: dict) -> None:
     rows_list = [1, 64, 256, 1024, 4096] if not ctx.quick else [256]
     for rows in rows_list:
         topk_idx, block_table, seq_lens, _ = _decode_problem(rows, 128 * 1024, hkv=NUM_KV_HEADS)
@@ -67,6 +71,7 @@ def run_block_table(ctx: Context, empty_ms: float) -> None:
         fn = lambda: mm3lab.build_sparse_block_table_decode(topk_idx, block_table, seq_lens, out=out)  # noqa: E731
         with mm3lab.validation(False):
             ms = bench_graph(fn)
+            ms_eager = bench(fn)
         ref = lambda: baselines.torch_block_table_decode(topk_idx, block_table, seq_lens)  # noqa: E731
         got = fn()
         want = ref()
@@ -74,7 +79,9 @@ def run_block_table(ctx: Context, empty_ms: float) -> None:
         base_ms = bench_graph(ref, replays=20)
         nbytes = topk_idx.numel() * 4 + rows * TOPK * 4 + out[0].numel() * 4 + out[1].numel() * 4
         shape = {"rows": rows, "kv_heads": NUM_KV_HEADS, "topk": TOPK, "context": 128 * 1024}
-        ctx.add("block_table_decode", shape, ms, "torch_ops", base_ms, nbytes, vs_empty_launch=round(ms / empty_ms, 3))
+        ctx.add("block_table_decode", shape, ms, "torch_ops", base_ms, nbytes,
+                vs_empty_launch=round(ms / floor["graph"], 3), ms_do_bench=round(ms_eager, 6),
+                do_bench_vs_empty_launch=round(ms_eager / floor["do_bench"], 3))
 
 
 def _kv_for(batch, context, layout, device="cuda"):
@@ -225,15 +232,46 @@ def run_indexer_prefill(ctx: Context) -> None:
 
 
 def run_topk(ctx: Context) -> None:
-    topk_fn = getattr(mm3lab, "topk_blocks", None)
-    if topk_fn is None:
-        return
+    """Top-16 of 8192-wide score rows (1M tokens): CUDA-graph replay (the kernel is launch-bound
+    at few rows), do_bench alongside; the whole-row selection (no group pre-selection) for comparison."""
+    from mm3lab.indexer.kernel import topk_kernel
+
     for rows in [4, 64, 256, 1024] if not ctx.quick else [64]:
         scores = torch.randn(rows, 8192, device="cuda")
+        out = torch.empty(1, rows, TOPK, dtype=torch.int32, device="cuda")
+        rows3 = scores.view(1, rows, 8192)
+        fn = lambda: topk_kernel(rows3, TOPK, out)  # noqa: E731
+        whole = lambda: topk_kernel(rows3, TOPK, out, group=1)  # noqa: E731
+        base = lambda: torch.topk(scores, TOPK, dim=-1)  # noqa: E731
+        fn()
+        assert torch.equal(out[0].long(), base().indices), "top-k differs from torch.topk"
+        ms, base_ms = bench_graph(fn), bench_graph(base)
+        ctx.add("topk", {"rows": rows, "width": 8192, "k": TOPK}, ms, "torch.topk", base_ms, scores.numel() * 4,
+                timing="cuda_graph", ms_whole_row=round(bench_graph(whole), 6),
+                ms_do_bench=round(bench(fn), 6), baseline_ms_do_bench=round(bench(base), 6))
+    # top-k fused with the sparse block table against top-k then the block-table launch, from the
+    # same decode scores (the scoring launch left out, so the saved launch is visible)
+    for batch, context in [(64, 128 * 1024), (16, 1024 * 1024)] if not ctx.quick else [(64, 128 * 1024)]:
+        _, block_table, seq_lens, _ = _decode_problem(batch, context)
+        width = block_table.shape[1]
+        scores = torch.randn(NUM_KV_HEADS, batch, width, device="cuda")
+        idx = torch.empty(NUM_KV_HEADS, batch, TOPK, dtype=torch.int32, device="cuda")
+        sbt = torch.empty(NUM_KV_HEADS, batch, TOPK * 8, dtype=torch.int32, device="cuda")
+        sctx = torch.empty(NUM_KV_HEADS, batch, dtype=torch.int32, device="cuda")
+        rows = dict(positions=1, req=seq_lens, batch=batch)
+        fused = lambda: topk_kernel(scores, TOPK, idx, block_table=block_table, sparse_bt=sbt, sparse_ctx=sctx, **rows)  # noqa: E731
+
+        def apart():
+            topk_kernel(scores, TOPK, idx, **rows)
+            return mm3lab.build_sparse_block_table_decode(idx, block_table, seq_lens)
+
         with mm3lab.validation(False):
-            ms = bench(lambda: topk_fn(scores, TOPK))
-        base_ms = bench(lambda: torch.topk(scores, TOPK, dim=-1))
-        ctx.add("topk", {"rows": rows, "width": 8192, "k": TOPK}, ms, "torch.topk", base_ms, scores.numel() * 4)
+            want = apart()
+            fused()
+            assert torch.equal(sbt, want[0]) and torch.equal(sctx, want[1]), "fused top-k + block table differs"
+            ms, base_ms = bench_graph(fused), bench_graph(apart)
+        ctx.add("topk_fused_block_table", {"batch": batch, "kv_heads": NUM_KV_HEADS, "width": width, "k": TOPK},
+                ms, "topk_then_block_table", base_ms, scores.numel() * 4, timing="cuda_graph")
 
 
 def run_index_cache(ctx: Context) -> None:
@@ -265,12 +303,15 @@ def run_msa_decode(ctx: Context) -> None:
                       index_cache=index_cache, block_table=block_table, seq_lens=seq_lens)
         with mm3lab.validation(False):
             ms = bench(lambda: msa(**kwargs))
+            # as a serving engine runs a layer: captured in a CUDA graph (no host work per step)
+            ms_graph = bench_graph(lambda: msa(**kwargs), replays=20)
         kd = torch.randn(batch, NUM_KV_HEADS, ctx_len, HEAD_DIM, dtype=DT, device="cuda")
         vd = torch.randn_like(kd)
         dense_ms = bench(lambda: baselines.dense_sdpa_decode(q.view(batch, NUM_Q_HEADS, 1, HEAD_DIM), kd, vd))
         nbytes = batch * (ctx_len * INDEX_HEAD_DIM * 2 + NUM_KV_HEADS * TOPK * SPARSE_BLOCK_SIZE * HEAD_DIM * 2 * 2)
         ctx.add("msa_decode", {"batch": batch, "context": ctx_len, "dtype": "bf16", "topk": TOPK}, ms,
-                "dense_sdpa", dense_ms, nbytes)
+                "dense_sdpa", dense_ms, nbytes, ms_graph=round(ms_graph, 6),
+                speedup_graph=round(dense_ms / ms_graph, 3))
         del cache, kd, vd, index_cache
         torch.cuda.empty_cache()
 

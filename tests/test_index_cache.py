@@ -202,6 +202,10 @@ def test_token_slots_follow_the_spec(device):
         token_slots(bt, req[:1], torch.tensor([2 * BLOCK], device=device))
     with pytest.raises(ValueError, match="query_req_id: row 1"):
         token_slots(bt, torch.tensor([0, 2], device=device), torch.tensor([0, 0], device=device))
+    with mm3lab.validation(False):  # unchecked: tokens outside the table are skipped, never read past it
+        got = token_slots(bt, torch.tensor([0, 2, -1, 1, 0], device=device),
+                          torch.tensor([0, 0, 5, 2 * BLOCK, 129], device=device))
+        assert got.tolist() == [3 * BLOCK, -1, -1, -1, 1 * BLOCK + 1]
 
 
 def test_prefill_then_decode_fill_matches_the_sequence(device):

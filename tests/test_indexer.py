@@ -26,6 +26,7 @@ import mm3lab
 from mm3lab import indexer, reference
 from mm3lab.constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE
 from mm3lab.constants import SPARSE_BLOCK_SIZE as BLOCK
+from mm3lab.indexer import reference as indexer_reference
 from mm3lab.indexer.kernel import index_scores_kernel, topk_kernel
 from mm3lab.testing import assert_close, assert_equal_int, poison
 
@@ -356,6 +357,43 @@ def test_topk_rows_read_in_chunks(device, width):
         got = poison(torch.empty(2, 3, 6, dtype=torch.int32, device=device))
         topk_kernel(scores, 6, got, max_register_row=row_width)
         assert_equal_int(got, want, f"topk_idx (chunks of {row_width})")
+
+
+@pytest.mark.parametrize("algorithm", ["rounds", "bitonic"])
+@pytest.mark.parametrize("group", [1, 4, 16])
+def test_topk_groups_and_algorithms(device, algorithm, group):
+    """Both selection algorithms, over the whole row and with groups pre-selected by their
+    maxima, on unmasked rows, decode rows and prefill rows with the fused block table: all equal
+    the reference (ties and NaN included; rows whose candidates end inside the first group)."""
+    gen = torch.Generator().manual_seed(group + (algorithm == "bitonic"))
+    width, topk = 70, 5
+    scores = torch.randint(-3, 4, (2, 6, width), generator=gen).float().to(device)
+    scores[0, 1, 10:20] = float("nan")
+    run = dict(algorithm=algorithm, group=group)
+    got = poison(torch.empty(2, 6, topk, dtype=torch.int32, device=device))
+    topk_kernel(scores, topk, got, **run)
+    assert_equal_int(got, reference.topk_blocks(scores, topk), f"topk_idx ({run})")
+    seq_lens = torch.tensor([70 * BLOCK, 20 * BLOCK + 3, 1], dtype=torch.int32, device=device)
+    query_req_id = torch.tensor([0, 1, 2, 1, 7, 0], dtype=torch.int32, device=device)
+    query_abs_pos = torch.tensor([8000, 2000, 0, 10, -1, 40 * BLOCK], dtype=torch.int32, device=device)
+    bt = torch.randint(0, 500, (3, width), generator=gen, dtype=torch.int32).to(device)
+    cases = {"decode": (1, seq_lens, seq_lens, 2), "prefill": (2, query_req_id, query_abs_pos, 1)}
+    for kind, (positions, req, pos, dql) in cases.items():
+        outs = []
+        for settings_ in ({}, run):
+            out = [poison(torch.empty(2, 6, topk, dtype=torch.int32, device=device)),
+                   poison(torch.empty(2, 6, topk * 8, dtype=torch.int32, device=device)),
+                   poison(torch.empty(2, 6, dtype=torch.int32, device=device))]
+            topk_kernel(scores, topk, out[0], positions=positions, req=req, pos=pos, batch=3, dql=dql,
+                        block_table=bt, sparse_bt=out[1], sparse_ctx=out[2], **settings_)
+            outs.append(out)
+        if kind == "decode":
+            want = indexer_reference._topk(scores, indexer_reference._decode_rows(seq_lens, 2), topk)
+        else:
+            want = indexer_reference._topk(scores, indexer_reference._prefill_rows(bt, query_req_id, query_abs_pos), topk)
+        assert_equal_int(outs[0][0], want, f"{kind} topk_idx (one launch, rounds)")
+        for name, a, b in zip(("topk_idx", "sparse_bt", "sparse_ctx"), *outs):
+            assert_equal_int(b, a, f"{kind} {name} ({run})")
 
 
 def test_topk_blocks(device):

@@ -64,6 +64,28 @@ def test_load_results_reads_a_file(tmp_path):
 def test_goals_report_marks_met_missed_and_unmeasured():
     text = performance.goals_report(RESULTS)
     assert "[met ] block table, 256 rows: speedup over the PyTorch ops: 100x (goal 20x)" in text
-    assert "[MISS] attention decode, batch 64: speedup over dense SDPA: 36x (goal 40x)" in text
+    assert "[MISS] attention decode, batch 64: speedup over dense SDPA: 36x (goal 40x), 0.90 of the goal" in text
     assert "[ -- ] top-k, 64 rows of 8192: speedup over torch.topk: not measured" in text
     assert len(text.splitlines()) == len(performance.goals(RESULTS))
+
+
+def test_limits_are_computed_from_the_records():
+    results = json.loads(json.dumps(RESULTS))
+    results["records"] += [
+        _record("launch_empty_triton", {"grid": 1}, 0.0005),
+        _record("block_table_decode", {"rows": 1}, 0.0015, "torch_ops", 0.1, 0.001),
+        {**_record("attention_prefill", {"chunk": 4, "context": 8, "q_heads": 64, "kv_heads": 4, "head_dim": 128},
+                   2.0, "dense_sdpa_causal_32k", 20.0), "attended_TFLOPs": 80.0, "baseline_TFLOPs": 600.0},
+    ]
+    text = "\n".join(performance.limits(results))
+    assert "one row already takes 1.50 us per launch in a CUDA graph, 3.0x an empty kernel (0.50 us)" in text
+    assert "255 more rows add 3.50 us" in text
+    # 80 TFLOP/s for 2 ms at 4 * 128 * 16 FLOP per (row, token) and 512 bytes of K/V per (row, token)
+    assert "10.0 GB in 2.00 ms = 5.0 TB/s (1.25x copy bandwidth" in text and "16 FLOP per byte" in text
+    assert "batch 64: 15x" not in text  # met: 1.5 ms / 0.1 ms
+    a64 = performance.records(results, "attention_decode", "naive_gather_sdpa")[1]
+    a64["baseline_ms"], a64["speedup"] = 1.2, 12.0
+    # 15x over 1.2 ms means 80 us; 75% of copy bandwidth in 100 us would be 94% in 80 us
+    assert "means 80 us, 94% of copy bandwidth on the selected bytes; the kernel reads them at 75% (100 us)" in (
+        "\n".join(performance.limits(results)))
+    assert performance.limits({"meta": RESULTS["meta"], "records": []}) == []

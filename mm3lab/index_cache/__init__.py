@@ -93,14 +93,16 @@ def token_slots(block_table: torch.Tensor, query_req_id: torch.Tensor, query_abs
     Returns:
         ``[N]`` int64 slots.
     Raises:
-        ValueError: a live token whose request or block is outside the block table.
+        ValueError: a live token whose request or block is outside the block table (with
+        validation off, such a token gets slot ``-1``: it is not written).
     """
     check_token_slots(block_table, query_req_id, query_abs_pos)
     pos = query_abs_pos.to(torch.int64)
     req = query_req_id.to(torch.int64)
-    live = pos >= 0
+    b, m = block_table.shape
     if pos.numel() == 0 or block_table.numel() == 0:  # every token is padding (checked)
         return torch.full_like(pos, -1)
-    logical = torch.where(live, pos // SPARSE_BLOCK_SIZE, 0)
-    physical = block_table.to(torch.int64)[torch.where(live, req, 0), logical]
+    logical = pos // SPARSE_BLOCK_SIZE
+    live = (pos >= 0) & (req >= 0) & (req < b) & (logical < m)
+    physical = block_table.to(torch.int64)[torch.where(live, req, 0), torch.where(live, logical, 0)]
     return torch.where(live, physical * SPARSE_BLOCK_SIZE + pos % SPARSE_BLOCK_SIZE, -1)

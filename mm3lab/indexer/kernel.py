@@ -9,18 +9,23 @@ spreads over every SM. For each block the program loads the ``[128, Di]`` key ti
 once and scores every lane with one ``tl.dot`` (all heads share the one index
 key), masks the tokens after each lane's position, and keeps the maximum
 (NaN if any visible dot is NaN, like ``torch.amax``). Decode tiles are rows of one
-request; a prefill tile whose rows read different physical blocks (a request
-boundary) loads one key tile per row instead. With ``FORCE`` the program also
-applies init/local forcing and NaN -> ``-1e30``, writing the scores top-k ranks.
+request; where a prefill tile's rows read different physical blocks (a request
+boundary) the program loads one key tile per distinct physical block. With
+``FORCE`` the program also applies init/local forcing and NaN -> ``-1e30``,
+writing the scores top-k ranks.
 
 **Top-k** (:func:`topk_kernel`). A program owns a few (head, row) pairs (one for the
-widest rows). Each candidate's
-(score, block id) becomes one int64 key whose order is "score descending, then
-id ascending" (the float's bits made monotone in the high word, ``2^31 - 1 - id``
-in the low word), so each of the ``topk`` rounds is a single max-reduction over
-the keys below the previous pick; nothing is sorted. Rows up to 8192 blocks (the
-model's 1M tokens) stay in registers; wider rows are re-read chunk by chunk each
-round. With ``EMIT_TABLE`` the selected ids go straight into
+widest rows). Each candidate's (score, block id) becomes one int64 key whose order
+is "score descending, then id ascending" (the float's bits made monotone in the
+high word, ``2^31 - 1 - id`` in the low word), so keys are distinct and ordering
+them is the whole tie rule. Rows up to 8192 blocks (the model's 1M tokens) stay in
+registers. Wide rows first keep only the ``topk`` groups of ``TOPK_GROUP`` columns
+with the largest maxima (the top ``topk`` cannot lie elsewhere), then select among
+those ``topk * TOPK_GROUP`` columns. Selection is ``tl.topk`` (a bitonic network)
+when compiled, or ``topk`` max-reductions, each over the keys below the previous
+pick (faster in the interpreter); nothing sorts the whole row. Rows wider than the
+registers are re-read chunk by chunk, one max-reduction a pick. With
+``EMIT_TABLE`` the selected ids go straight into
 :func:`mm3lab.block_table.kernel.emit_sparse_block_table_row`: one launch from
 scores to ``topk_idx``, ``sparse_bt`` and ``sparse_ctx``.
 """
@@ -37,6 +42,10 @@ from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLO
 
 MAX_REGISTER_ROW = 8192
 """Widest score row the top-k keeps in registers (8192 blocks = 1M tokens)."""
+
+TOPK_GROUP = 16
+"""Columns per group in the top-k's group pre-selection (rows of at least 64 * k columns)."""
+
 
 # Reductions through tl.reduce with Triton's own combiners: the interpreter maps these to numpy
 # (tl.max / tl.min are device functions themselves, which the interpreter calls far more slowly).
@@ -89,6 +98,22 @@ def _tile_rows(
 
 
 # --- scoring --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _shared_block_dots(q, cache_ptr, phys, stride_cb, stride_ct, lanes_ok, last_tok, tok, dims, dim_ok, IEEE: tl.constexpr):
+    """Dots of every lane with physical block ``phys``'s keys, and which of them the lanes see
+    (``lanes_ok`` and causal); keys no lane sees are not read (``phys`` is any value when none does)."""
+    tile_last = tl.reduce(tl.where(lanes_ok, last_tok, -1), 0, _max)
+    keys = tl.load(
+        cache_ptr + phys * stride_cb + tok[:, None] * stride_ct + dims[None, :],
+        mask=(tok[:, None] <= tile_last) & dim_ok[None, :], other=0.0,
+    )
+    if IEEE:  # float32: exact products, no TF32
+        dots = tl.dot(q, tl.trans(keys), input_precision="ieee")
+    else:
+        dots = tl.dot(q, tl.trans(keys))
+    return dots, lanes_ok[:, None] & (tok[None, :] <= last_tok[:, None])
 
 
 @triton.jit
@@ -145,37 +170,21 @@ def _index_scores(
         physical = tl.load(bt_ptr + req * stride_bb + b * stride_bm, mask=cand, other=-1).to(tl.int64)
         readable = cand & (physical >= 0) & (physical < num_blocks)  # never read outside the cache
         last_tok = p - b * SPARSE_BLOCK  # the lane sees tokens 0 .. last_tok of this block
-        lo = tl.reduce(tl.where(readable, physical, num_blocks), 0, _min)
-        hi = tl.reduce(tl.where(readable, physical, -1), 0, _max)
-        if lo == hi:  # every readable lane reads the same physical block: load its keys once
-            tile_last = tl.reduce(tl.where(readable, last_tok, -1), 0, _max)
-            keys = tl.load(
-                cache_ptr + lo * stride_cb + tok[:, None] * stride_ct + dims[None, :],
-                mask=(tok[:, None] <= tile_last) & dim_ok[None, :], other=0.0,
+        # One key tile per distinct physical block among the lanes: one for decode tiles (rows of one
+        # request) and for most prefill tiles, more where a prefill tile spans requests.
+        dots = tl.zeros([BLOCK_M, SPARSE_BLOCK], dtype=tl.float32)
+        seen = tl.zeros([BLOCK_M, SPARSE_BLOCK], dtype=tl.int1)
+        todo = readable
+        cur = tl.reduce(tl.where(todo, physical, num_blocks), 0, _min)
+        while cur < num_blocks:
+            mine = todo & (physical == cur)
+            dots_c, sel = _shared_block_dots(
+                q, cache_ptr, cur, stride_cb, stride_ct, mine, last_tok, tok, dims, dim_ok, IEEE
             )
-            if IEEE:  # float32: exact products, no TF32
-                dots = tl.dot(q, tl.trans(keys), input_precision="ieee")
-            else:
-                dots = tl.dot(q, tl.trans(keys))
-            seen = readable[:, None] & (tok[None, :] <= last_tok[:, None])
-        else:  # rows of different requests (or no readable lane): one key tile per row
-            dots = tl.zeros([BLOCK_M, SPARSE_BLOCK], dtype=tl.float32)
-            seen = tl.zeros([BLOCK_M, SPARSE_BLOCK], dtype=tl.int1)
-            for i in tl.static_range(BLOCK_Q):
-                mine = readable & (qi == i)
-                phys_i = tl.reduce(tl.where(mine, physical, 0), 0, _max)
-                last_i = tl.reduce(tl.where(mine, last_tok, -1), 0, _max)  # -1: the row reads nothing
-                keys = tl.load(
-                    cache_ptr + phys_i * stride_cb + tok[:, None] * stride_ct + dims[None, :],
-                    mask=(tok[:, None] <= last_i) & dim_ok[None, :], other=0.0,
-                )
-                sel = mine[:, None] & (tok[None, :] <= last_tok[:, None])
-                if IEEE:
-                    dots_i = tl.dot(q, tl.trans(keys), input_precision="ieee")
-                else:
-                    dots_i = tl.dot(q, tl.trans(keys))
-                dots = tl.where(sel, dots_i, dots)
-                seen = seen | sel
+            dots = tl.where(sel, dots_c, dots)
+            seen = seen | sel
+            todo = todo & (physical != cur)
+            cur = tl.reduce(tl.where(todo, physical, num_blocks), 0, _min)
         best = tl.reduce(tl.where(seen, dots, float("-inf")), 1, _max)
         has_nan = tl.reduce(tl.where(seen & (dots != dots), 1, 0), 1, _max) > 0
         score = tl.where(has_nan, float("nan"), best)
@@ -268,8 +277,58 @@ def _order_keys(s, col, cand):
 
 
 @triton.jit
+def _key_ids(keys):
+    """Block ids of top-k keys; ``-1`` for ``KEY_NONE`` (fewer candidates than picks)."""
+    return tl.where(keys == _KEY_NONE, -1, 0x7FFFFFFF - (keys - ((keys >> 32) << 32))).to(tl.int32)
+
+
+@triton.jit
+def _top_keys(keys, K, BLOCK_R: tl.constexpr, K_BLOCK: tl.constexpr, BITONIC: tl.constexpr):
+    """The ``K_BLOCK`` largest of ``keys [BLOCK_R, W]`` per row, descending (lanes >= K: any order
+    with ``"rounds"``, which fills only the first ``K``)."""
+    if BITONIC:
+        top = tl.topk(keys, K_BLOCK, dim=1)
+    else:  # one max-reduction per pick, over the keys below the previous pick
+        slots = tl.arange(0, K_BLOCK)
+        top = tl.full([BLOCK_R, K_BLOCK], _KEY_NONE, tl.int64)
+        prev = tl.full([BLOCK_R], _KEY_MAX, tl.int64)
+        k = 0
+        while k < K:  # (a while loop: Triton's interpreter cannot take a runtime range bound)
+            best = tl.reduce(tl.where(keys < prev[:, None], keys, _KEY_NONE), 1, _max)
+            top = tl.where(slots[None, :] == k, best[:, None], top)
+            prev = best
+            k += 1
+    return top
+
+
+@triton.jit
+def _row_positions(
+    row, row_ok, N, W, req_ptr, stride_r, pos_ptr, stride_p, B, DQL,
+    POSITIONS: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+):
+    """``(n, request, p, valid)`` of flattened rows ``h * N + n``: candidates are 0 .. valid - 1."""
+    n = row % N
+    req = tl.zeros_like(row)
+    p = tl.full(row.shape, -1, tl.int64)
+    if POSITIONS == 0:
+        valid = tl.where(row_ok, W, 0)
+    else:
+        if POSITIONS == 2:
+            req = tl.load(req_ptr + n * stride_r, mask=row_ok, other=-1).to(tl.int64)
+            p = tl.load(pos_ptr + n * stride_p, mask=row_ok, other=-1).to(tl.int64)
+        else:  # decode row n = r * dql + i is at p = seq_lens[r] - dql + i
+            req = n // DQL
+            p = tl.load(req_ptr + req * stride_r, mask=row_ok, other=0).to(tl.int64) - DQL + n % DQL
+        in_range = (req >= 0) & (req < B)
+        p = tl.where(row_ok & in_range, p, -1)  # a request id out of range: a padded row
+        req = tl.where(in_range, req, 0)
+        valid = tl.where(p >= 0, tl.minimum(p // SPARSE_BLOCK + 1, W), 0)
+    return n, req, p, valid
+
+
+@triton.jit
 def _topk_rows(
-    scores_ptr,  # [H, N, W] float, any strides
+    scores_ptr,  # [H, N, W] float scores, any strides
     stride_sh, stride_sn, stride_sw,
     topk_ptr,  # [H, N, K] int32 out, contiguous
     H, N, W, K,
@@ -284,6 +343,8 @@ def _topk_rows(
     BLOCK_R: tl.constexpr,  # (head, row) pairs per program
     BLOCK_W: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
+    GROUP: tl.constexpr,  # > 1: select groups of GROUP columns by their maxima first
+    BITONIC: tl.constexpr,
     K_BLOCK: tl.constexpr,
     BLOCK_PAGE_STRIDE: tl.constexpr,
     SPARSE_BLOCK: tl.constexpr,
@@ -292,41 +353,32 @@ def _topk_rows(
     ridx = tl.arange(0, BLOCK_R)
     row = tl.program_id(0).to(tl.int64) * BLOCK_R + ridx  # flattened h * N + n
     row_ok = row < H * N
+    n, req, p, valid = _row_positions(
+        row, row_ok, N, W, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, POSITIONS, SPARSE_BLOCK
+    )
     h = row // N
-    n = row % N
-    req = tl.zeros([BLOCK_R], dtype=tl.int64)
-    p = tl.full([BLOCK_R], -1, tl.int64)
-    if POSITIONS == 0:
-        valid = tl.where(row_ok, W, 0)
-    else:
-        if POSITIONS == 2:
-            req = tl.load(req_ptr + n * stride_r, mask=row_ok, other=-1).to(tl.int64)
-            p = tl.load(pos_ptr + n * stride_p, mask=row_ok, other=-1).to(tl.int64)
-        else:  # decode row n = r * dql + i is at p = seq_lens[r] - dql + i
-            req = n // DQL
-            p = tl.load(req_ptr + req * stride_r, mask=row_ok, other=0).to(tl.int64) - DQL + n % DQL
-        in_range = (req >= 0) & (req < B)
-        p = tl.where(row_ok & in_range, p, -1)  # a request id out of range: a padded row
-        req = tl.where(in_range, req, 0)
-        valid = tl.where(p >= 0, tl.minimum(p // SPARSE_BLOCK + 1, W), 0)  # candidates 0 .. valid - 1
     row_ptr = scores_ptr + h * stride_sh + n * stride_sn  # [BLOCK_R]
     cols = tl.arange(0, BLOCK_W)
     slots = tl.arange(0, K_BLOCK)
-    blk = tl.full([BLOCK_R, K_BLOCK], -1, tl.int32)
-    prev = tl.full([BLOCK_R], _KEY_MAX, tl.int64)  # the previous pick's key: every candidate is below it
-    # (while loops, not range(): Triton's interpreter cannot take a runtime loop bound)
     if ONE_CHUNK:  # the whole row in registers, read once
         cand = cols[None, :] < valid[:, None]
         s = tl.load(row_ptr[:, None] + cols[None, :] * stride_sw, mask=cand, other=0.0)
         keys = _order_keys(s, cols[None, :], cand)
-        k = 0
-        while k < K:
-            best = tl.reduce(tl.where(keys < prev[:, None], keys, _KEY_NONE), 1, _max)
-            pick = tl.where(best == _KEY_NONE, -1, 0x7FFFFFFF - (best - ((best >> 32) << 32)))
-            blk = tl.where(slots[None, :] == k, pick[:, None].to(tl.int32), blk)
-            prev = best
-            k += 1
+        if GROUP > 1:
+            # The top K lie in the K groups of GROUP columns with the largest maxima (a group
+            # outside them is beaten by K larger group maxima, each a distinct column): select
+            # those groups, then the top K of their K * GROUP columns, read again.
+            group_max = tl.reduce(tl.reshape(keys, [BLOCK_R, BLOCK_W // GROUP, GROUP]), 2, _max)
+            best_col = _key_ids(_top_keys(group_max, K, BLOCK_R, K_BLOCK, BITONIC))  # [BLOCK_R, K_BLOCK]
+            first = tl.where(best_col >= 0, best_col - best_col % GROUP, W)  # W: no group, nothing read
+            c2 = tl.reshape(first[:, :, None] + tl.arange(0, GROUP)[None, None, :], [BLOCK_R, K_BLOCK * GROUP])
+            cand2 = c2 < valid[:, None]
+            s2 = tl.load(row_ptr[:, None] + c2 * stride_sw, mask=cand2, other=0.0)
+            keys = _order_keys(s2, c2, cand2)
+        blk = _key_ids(_top_keys(keys, K, BLOCK_R, K_BLOCK, BITONIC))
     else:  # wider rows: every round reads the row again, chunk by chunk
+        blk = tl.full([BLOCK_R, K_BLOCK], -1, tl.int32)
+        prev = tl.full([BLOCK_R], _KEY_MAX, tl.int64)  # the previous pick's key: every candidate is below it
         k = 0
         while k < K:
             best = tl.full([BLOCK_R], _KEY_NONE, tl.int64)
@@ -338,8 +390,7 @@ def _topk_rows(
                 keys = _order_keys(s, c[None, :], cand)
                 best = tl.maximum(best, tl.reduce(tl.where(keys < prev[:, None], keys, _KEY_NONE), 1, _max))
                 start += BLOCK_W
-            pick = tl.where(best == _KEY_NONE, -1, 0x7FFFFFFF - (best - ((best >> 32) << 32)))
-            blk = tl.where(slots[None, :] == k, pick[:, None].to(tl.int32), blk)
+            blk = tl.where(slots[None, :] == k, _key_ids(best)[:, None], blk)
             prev = best
             k += 1
     tl.store(topk_ptr + row[:, None] * K + slots[None, :], blk, mask=row_ok[:, None] & (slots[None, :] < K))
@@ -361,7 +412,8 @@ def _topk_rows(
 def topk_kernel(
     scores, topk, topk_idx, *, positions=0, req=None, pos=None, batch=0, dql=1,
     block_table=None, block_page_stride=PAGES_PER_SPARSE_BLOCK, sparse_bt=None, sparse_ctx=None,
-    max_register_row: int = MAX_REGISTER_ROW, rows_per_program: int | None = None,
+    max_register_row: int = MAX_REGISTER_ROW, rows_per_program: int | None = None, algorithm: str | None = None,
+    num_warps: int | None = None, group: int | None = None,
 ) -> None:
     """Launch the top-k (optionally fused with the sparse block table) over ``scores [H, N, W]``.
 
@@ -369,8 +421,19 @@ def topk_kernel(
     2 = prefill rows (``req`` = query_req_id, ``pos`` = query_abs_pos). With
     ``block_table`` given, also writes ``sparse_bt`` / ``sparse_ctx``. Rows wider than
     ``max_register_row`` (a power of 2) are read in chunks of that width each round.
-    ``rows_per_program`` overrides the host-side heuristic (a power of 2).
+    ``rows_per_program`` overrides the host-side heuristic (a power of 2). ``algorithm`` picks
+    how rows that fit in registers are selected: ``"bitonic"`` (``tl.topk``, the default when
+    compiled) or ``"rounds"`` (one max-reduction per pick, the default in the interpreter, which
+    runs it several times faster); both give the same answer.
+
+    ``group`` (a power of 2; default ``TOPK_GROUP`` for rows of at least ``64 * k`` columns,
+    else 1) first selects the ``k`` groups of ``group`` columns with the largest maxima, then the
+    top ``k`` of their columns: a few times less selection work than the whole row, same answer.
     """
+    if algorithm is None:
+        algorithm = "rounds" if backend.INTERPRETER else "bitonic"
+    if algorithm not in ("bitonic", "rounds"):
+        raise ValueError(f"algorithm must be 'bitonic' or 'rounds', got {algorithm!r}")
     h, n, w = scores.shape
     if h == 0 or n == 0:
         return
@@ -384,14 +447,19 @@ def topk_kernel(
             block_table = torch.zeros(1, 1, dtype=torch.int32, device=scores.device)
     else:
         m, block_table, sparse_bt, sparse_ctx = 0, dummy.view(-1)[:1].view(1, 1), dummy, dummy
-    block_w = max(16, min(triton.next_power_of_2(max(w, 1)), max_register_row))
-    k_block = max(1, triton.next_power_of_2(topk))
+    k_block = max(2, triton.next_power_of_2(topk))  # (tl.topk needs k >= 2)
+    block_w = max(16, k_block, min(triton.next_power_of_2(max(w, 1)), max_register_row))
     rows = h * n
+    bitonic = algorithm == "bitonic"
     if rows_per_program is None:
         if backend.INTERPRETER:  # few programs: the interpreter pays per program and per operation
             rows_per_program = max(1, min(triton.next_power_of_2(rows), 16384 // block_w))
         else:
             rows_per_program = max(1, min(triton.next_power_of_2(rows), 2048 // block_w, 4 if emit else 64))
+    if group is None:
+        group = TOPK_GROUP if block_w >= 64 * k_block else 1
+    if group < 1 or (group > 1 and (group & (group - 1) or block_w // group < k_block)):
+        raise ValueError(f"group must be a power of 2 with at least {k_block} groups in a row of {block_w}, got {group}")
     tile = rows_per_program * block_w
     _topk_rows[(triton.cdiv(rows, rows_per_program),)](
         scores, *scores.stride(),
@@ -400,10 +468,10 @@ def topk_kernel(
         block_table, *block_table.stride(), m,
         sparse_bt, sparse_ctx,
         POSITIONS=positions, EMIT_TABLE=emit, BLOCK_R=rows_per_program,
-        BLOCK_W=block_w, ONE_CHUNK=w <= block_w, K_BLOCK=k_block,
+        BLOCK_W=block_w, ONE_CHUNK=w <= block_w, GROUP=group, BITONIC=bitonic, K_BLOCK=k_block,
         BLOCK_PAGE_STRIDE=block_page_stride, SPARSE_BLOCK=SPARSE_BLOCK_SIZE, PAGES=PAGES_PER_SPARSE_BLOCK,
-        num_warps=8 if tile >= 4096 else (4 if tile >= 1024 else 2),
+        num_warps=num_warps or (8 if tile >= 4096 and group == 1 else (4 if tile >= 1024 else 2)),
     )
 
 
-__all__ = ["MAX_REGISTER_ROW", "index_scores_kernel", "topk_kernel"]
+__all__ = ["MAX_REGISTER_ROW", "TOPK_GROUP", "index_scores_kernel", "topk_kernel"]
