@@ -102,8 +102,8 @@ def _tile_rows(
 
 @triton.jit
 def _shared_block_dots(q, cache_ptr, phys, stride_cb, stride_ct, lanes_ok, last_tok, tok, dims, dim_ok, IEEE: tl.constexpr):
-    """Dots of every lane with physical block ``phys``'s keys, and which of them the lanes see
-    (``lanes_ok`` and causal); keys no lane sees are not read (``phys`` is any value when none does)."""
+    """Dots of every lane with physical block ``phys``'s keys (a block inside the cache), and which
+    of them the lanes see (``lanes_ok`` and causal); keys no lane sees are not read."""
     tile_last = tl.reduce(tl.where(lanes_ok, last_tok, -1), 0, _max)
     keys = tl.load(
         cache_ptr + phys * stride_cb + tok[:, None] * stride_ct + dims[None, :],
