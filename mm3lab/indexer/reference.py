@@ -38,7 +38,7 @@ import torch
 
 from ..block_table.reference import build_sparse_block_table_decode, build_sparse_block_table_prefill
 from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, RAW_SCORE_LIMIT, SPARSE_BLOCK_SIZE
-from .checks import check_block_page_stride, check_decode, check_prefill, check_topk_scores
+from .checks import NO_TOPK, check_block_page_stride, check_decode, check_prefill, check_topk_scores
 
 # --- one row, in the SPEC's words -----------------------------------------------------------
 
@@ -168,7 +168,7 @@ def index_scores_decode(
     Returns:
         ``[H, N, M]`` float32; ``-inf`` for every non-candidate block.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, None, decode_query_len, init_blocks, local_blocks)
+    check_decode(index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks)
     rows = _decode_rows(seq_lens, decode_query_len)
     return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
 
@@ -185,7 +185,7 @@ def index_scores_prefill(
 ) -> torch.Tensor:
     """Block scores of prefill rows (step 2); arguments as :func:`index_scores_decode` except
     ``query_req_id [N]`` / ``query_abs_pos [N]`` (negative position = padded row)."""
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, None, init_blocks, local_blocks)
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks)
     rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
     return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
 
@@ -286,6 +286,8 @@ def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
         ``-1`` past ``W``.
     """
     check_topk_scores(scores, topk)
+    if scores.shape[-1] == 0 or scores.numel() == 0:  # no candidates (or no rows): all -1
+        return torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
     rows = scores.reshape(-1, scores.shape[-1]).float().tolist()
     picked = [select_topk(row, topk) for row in rows]
     out = torch.tensor(picked, dtype=torch.int32).reshape(*scores.shape[:-1], topk)
