@@ -115,3 +115,166 @@ def test_page_ids_past_int32_rejected_with_validation(entry):
     with pytest.raises(ValueError, match="block_table"):
         mod.build_sparse_block_table_decode(topk_idx, block_table, torch.tensor([256]), 1, 16)
     assert mod.build_sparse_block_table_decode(topk_idx, block_table, torch.tensor([256]), 1, 8)[1].item() == 256
+
+
+# --- top-k: up to 8192, the fused path to 512, a clear error past the limit --------------------
+
+
+def _one_request(device, blocks=3):
+    index_q = torch.randn(1, 1, 16, generator=torch.Generator().manual_seed(1)).to(device)
+    cache = torch.randn(blocks, 128, 16, generator=torch.Generator().manual_seed(2)).to(device)
+    block_table = torch.arange(blocks, dtype=torch.int32, device=device).view(1, blocks)
+    seq_lens = torch.tensor([blocks * 128], dtype=torch.int32, device=device)
+    return index_q, cache, block_table, seq_lens
+
+
+@pytest.mark.parametrize("topk", [512, 513, 1025, 8192])
+def test_topk_up_to_8192_matches_the_reference(topk, device):
+    args = _one_request(device)
+    got = mm3lab.index_topk_block_table_decode(*args, topk)
+    want = reference.index_topk_block_table_decode(*(a.cpu() for a in args), topk)
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w)
+    assert got[0].shape == (1, 1, topk) and got[0][0, 0, 3:].eq(-1).all()
+
+
+@pytest.mark.parametrize("entry", ["kernel", "reference"])
+def test_topk_past_8192_states_the_limit(entry):
+    mod = mm3lab if entry == "kernel" else reference
+    with pytest.raises(ValueError, match=r"topk: expected an int in \[1, 8192\], got 8193"):
+        mod.index_topk_block_table_decode(*_one_request("cpu"), 8193)
+    with pytest.raises(ValueError, match="8192"):
+        mod.topk_blocks(torch.zeros(2, 3), 8193)
+
+
+@pytest.mark.parametrize("fn", [mm3lab.topk_blocks, reference.topk_blocks])
+def test_topk_blocks_on_zero_width_rows(fn, device):
+    assert fn(torch.zeros(2, 0, device=device), 2).tolist() == [[-1, -1], [-1, -1]]
+    assert fn(torch.zeros(0, 4, device=device), 2).shape == (0, 2)
+
+
+# --- token_slots never wraps request -1 (validation off) ----------------------------------------
+
+
+@pytest.mark.parametrize("fn", [mm3lab.token_slots, reference.token_slots])
+def test_token_slots_request_minus_one_is_padding_not_the_last_request(fn):
+    block_table = torch.tensor([[0, 1], [2, 3]])
+    with mm3lab.validation(False):
+        slots = fn(block_table, torch.tensor([-1, 2, 1, 1]), torch.tensor([5, 5, 5, 300]))
+    assert slots.tolist() == [-1, -1, 2 * 128 + 5, -1]
+    with pytest.raises(ValueError, match="query_req_id"):
+        fn(block_table, torch.tensor([-1]), torch.tensor([5]))
+
+
+# --- rebase: an id whose double does not fit is rejected, validation on or off -------------------
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_rebase_overflow_rejected_whatever_the_validation(on):
+    with mm3lab.validation(on):
+        with pytest.raises(ValueError, match="block_table"):
+            mm3lab.rebase_block_table_to_page16(torch.tensor([2**30], dtype=torch.int32))
+        with pytest.raises(ValueError, match="slots"):
+            mm3lab.rebase_slot_mapping_to_page16(torch.tensor([2**30], dtype=torch.int32))
+    edge = torch.tensor([2**30 - 1, -(2**30)], dtype=torch.int32)
+    assert mm3lab.rebase_block_table_to_page16(edge).tolist() == [2**31 - 2, -(2**31)]
+
+
+# --- layout helpers: every argument checked -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "name"),
+    [
+        (lambda: mm3lab.allocate_kv_cache(True, 1, 16), TypeError, "num_blocks"),
+        (lambda: mm3lab.allocate_kv_cache(2, 1, 16, device="cuda:99"), ValueError, "device"),
+        (lambda: mm3lab.allocate_kv_cache(2**27, 1, 16), ValueError, "num_blocks"),
+        (lambda: mm3lab.allocate_kv_cache(2, 1, 16, layout=1), TypeError, "layout"),
+        (lambda: mm3lab.allocate_kv_cache(2, 1, 16, fill="0"), TypeError, "fill"),
+        (lambda: mm3lab.allocate_index_cache(2, 16, device="cuda:99"), ValueError, "device"),
+        (lambda: mm3lab.locate_page(1.5, "k", "dense", 2), TypeError, "page_id"),
+        (lambda: mm3lab.locate_page(True, "k", "dense", 2), TypeError, "page_id"),
+        (lambda: mm3lab.locate_page(1, "k", "dense", 2.5), TypeError, "num_blocks"),
+        (lambda: mm3lab.locate_page(1, "k", "dense", 0), ValueError, "num_blocks"),
+        (lambda: mm3lab.locate_page(1, "k", "dense", 2, -1), ValueError, "page_bytes"),
+        (lambda: mm3lab.locate_page(1, "x", "dense", 2), ValueError, "view"),
+        (lambda: mm3lab.page_ids_of_block(True, 8), TypeError, "block"),
+        (lambda: mm3lab.page_ids_of_block(1, 8.0), TypeError, "block_page_stride"),
+        (lambda: mm3lab.slot_to_page(1.0, 8), TypeError, "slot"),
+    ],
+)
+def test_layout_helper_arguments(call, exc, name):
+    with pytest.raises(exc, match=name):
+        call()
+
+
+def test_cuda_without_a_gpu_is_a_value_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        mm3lab.allocate_kv_cache(2, 1, 16, device="cuda")
+
+
+@pytest.mark.parametrize("fill", [0.0, float("nan")])
+def test_sides_are_packed_checks_the_whole_pair(fill):
+    cache = mm3lab.allocate_kv_cache(3, 1, 16, "packed", fill=fill)
+    assert mm3lab.sides_are_packed(cache.k_cache, cache.v_cache)
+    with pytest.raises(ValueError, match="v_cache"):
+        mm3lab.sides_are_packed(cache.k_cache, torch.zeros(40, 8, 1, 16))
+    with pytest.raises(TypeError, match="v_cache"):
+        mm3lab.sparse_block_page_stride(cache.k_cache, cache.v_cache.half())
+
+
+# --- the CLI: a clear message, exit status 2, never a Python overflow ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "name"),
+    [
+        (["--dql", "0"], "decode_query_len"),
+        (["--dql", str(2**70)], "decode_query_len"),
+        (["--seq-len", str(2**70)], "seq_len"),
+        (["--topk", str(2**70)], "topk"),
+        (["--block-table", "5", str(2**31)], "block_table"),
+        (["--block-table", "5", str(2**70)], "block_table"),
+        (["--block-table", "5", str(2**27), "--block-page-stride", "16"], "block_table"),
+        (["--topk", "7"], "topk"),
+    ],
+)
+def test_explain_rejects_with_the_argument_named(extra, name, capsys):
+    from mm3lab.cli import main
+
+    base = ["explain", "--topk", "1", "0", "--block-table", "5", "7", "--seq-len", "200"]
+    assert main(base + extra) == 2
+    err = capsys.readouterr().err
+    assert name in err and "Overflow" not in err
+
+
+# --- the widgets' plain functions -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "name"),
+    [
+        (lambda v: v.causal_tail.show_causal_tail(position=True), TypeError, "position"),
+        (lambda v: v.causal_tail.show_causal_tail(decode_query_len=0), ValueError, "decode_query_len"),
+        (lambda v: v.causal_tail.show_causal_tail(block_page_stride=12), ValueError, "block_page_stride"),
+        (lambda v: v.layout.show_layout(layout="both"), ValueError, "layout"),
+        (lambda v: v.layout.show_layout(num_blocks=1.5), TypeError, "num_blocks"),
+        (lambda v: v.selection.show_selection(topk=0), ValueError, "topk"),
+        (lambda v: v.selection.show_selection(topk=2.0), TypeError, "topk"),
+        (lambda v: v.msa.show_msa(topk=True), TypeError, "topk"),
+        (lambda v: v.msa.show_msa(layout="x"), ValueError, "layout"),
+    ],
+)
+def test_widget_functions_reject_bad_arguments(call, exc, name):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import mm3lab.viz.causal_tail
+    import mm3lab.viz.layout
+    import mm3lab.viz.msa
+    import mm3lab.viz.selection
+
+    with pytest.raises(exc, match=name):
+        call(mm3lab.viz)
