@@ -14,6 +14,7 @@ from .._checks import (
     check_index,
     check_out,
     check_same_device,
+    check_scale,
     check_tensor,
     validation_enabled,
 )
@@ -66,11 +67,7 @@ def check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, ou
     check_tensor("sparse_ctx", sparse_ctx, shape=(hkv, n))
     check_same_device(q=q, k_cache=k_cache, sparse_bt=sparse_bt, sparse_ctx=sparse_ctx)
     check_out("out", out, (n, hq, d), q.dtype, q.device)
-    if scale is None:
-        scale = d ** -0.5
-    elif isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
-    scale = float(scale)
+    scale = check_scale(scale, d)
 
     if validation_enabled() and n:
         width = sparse_bt.shape[2]

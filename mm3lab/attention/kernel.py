@@ -103,8 +103,8 @@ def _sparse_attention_fwd(
     h = tl.program_id(1)
     s = tl.program_id(2)
 
-    ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn).to(tl.int32)
-    ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE)
+    ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn).to(tl.int64)  # int64 ctx: clamp, never truncate
+    ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE).to(tl.int32)
     tok_lo = s * pages_per_split * PAGE
     tok_hi = tl.minimum(tok_lo + pages_per_split * PAGE, ctx)
 

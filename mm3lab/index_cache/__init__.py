@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import backend
-from .._checks import FLOAT_DTYPES, check_int
+from .._checks import FLOAT_DTYPES, check_device, check_int
 from ..constants import SPARSE_BLOCK_SIZE
 from . import reference
 from .checks import check_index_cache, check_insert_index_cache, check_token_slots, index_cache_slots
@@ -44,6 +44,7 @@ def allocate_index_cache(
     check_int("index_dim", index_dim, minimum=1)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+    device = check_device("device", device)
     cache = torch.empty(num_blocks, SPARSE_BLOCK_SIZE, index_dim, dtype=dtype, device=device)
     if fill is not None:
         cache.fill_(fill)
@@ -104,4 +105,5 @@ def token_slots(block_table: torch.Tensor, query_req_id: torch.Tensor, query_abs
     logical = pos // SPARSE_BLOCK_SIZE
     live = (pos >= 0) & (req >= 0) & (req < b) & (logical < m)
     physical = block_table.to(torch.int64)[torch.where(live, req, 0), torch.where(live, logical, 0)]
+    live = live & (physical < 2**63 // SPARSE_BLOCK_SIZE)  # a slot past int64 is past every cache: never wrapped
     return torch.where(live, physical * SPARSE_BLOCK_SIZE + pos % SPARSE_BLOCK_SIZE, -1)

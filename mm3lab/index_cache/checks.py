@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import dtype_name as _dtype_name
 from .._checks import (
     FLOAT_DTYPES,
     check_index,
@@ -19,9 +18,14 @@ from .._checks import (
     check_same_device,
     check_tensor,
     first_bad_row,
+    raise_first,
     validation_enabled,
 )
+from .._checks import dtype_name as _dtype_name
 from ..constants import SPARSE_BLOCK_SIZE
+
+MAX_SLOT_BLOCK = 2**63 // SPARSE_BLOCK_SIZE
+"""Physical block ids below this have int64 slots ``block * 128 + offset``."""
 
 
 def check_index_cache(index_cache) -> None:
@@ -81,14 +85,23 @@ def check_token_slots(block_table, query_req_id, query_abs_pos) -> None:
     pos = query_abs_pos.to(torch.int64)
     req = query_req_id.to(torch.int64)
     live = pos >= 0
-    row = first_bad_row(live & ((req < 0) | (req >= b)))
-    if row is not None:
-        raise ValueError(
+    bad_req = live & ((req < 0) | (req >= b))
+    bad_pos = live & (pos >= m * SPARSE_BLOCK_SIZE)
+    ok = live & ~bad_req & ~bad_pos
+    physical = torch.zeros_like(pos)
+    if b and m and pos.numel():
+        physical = block_table.to(torch.int64)[torch.where(ok, req, 0), torch.where(ok, pos // SPARSE_BLOCK_SIZE, 0)]
+    bad_block = ok & ((physical < 0) | (physical >= MAX_SLOT_BLOCK))
+    raise_first([
+        (bad_req, lambda row: (
             f"query_req_id: row {row} has request {int(req[row])}, outside the block table's {b} requests [0, {b})"
-        )
-    row = first_bad_row(live & (pos >= m * SPARSE_BLOCK_SIZE))
-    if row is not None:
-        raise ValueError(
+        )),
+        (bad_pos, lambda row: (
             f"query_abs_pos: row {row} has position {int(pos[row])}, past the block table's "
             f"{m} blocks = {m * SPARSE_BLOCK_SIZE} tokens"
-        )
+        )),
+        (bad_block, lambda row: (
+            f"block_table: row {row} (request {int(req[row])}, logical block {int(pos[row]) // SPARSE_BLOCK_SIZE}) "
+            f"maps to physical block {int(physical[row])}, outside [0, {MAX_SLOT_BLOCK}) (a slot must be an int64)"
+        )),
+    ])

@@ -47,12 +47,15 @@ def token_slots(block_table: torch.Tensor, query_req_id: torch.Tensor, query_abs
     """
     check_token_slots(block_table, query_req_id, query_abs_pos)
     table = block_table.tolist()
+    b, m = block_table.shape
     slots = []
     for r, p in zip(query_req_id.tolist(), query_abs_pos.tolist()):
-        if p < 0:
+        # with validation off, a request or block outside the table is padding (never a wrap to row -1)
+        if p < 0 or not 0 <= r < b or p // SPARSE_BLOCK_SIZE >= m:
             slots.append(-1)
-        else:
-            slots.append(table[r][p // SPARSE_BLOCK_SIZE] * SPARSE_BLOCK_SIZE + p % SPARSE_BLOCK_SIZE)
+            continue
+        slot = table[r][p // SPARSE_BLOCK_SIZE] * SPARSE_BLOCK_SIZE + p % SPARSE_BLOCK_SIZE
+        slots.append(slot if slot < 2**63 else -1)  # past int64: past every cache, never wrapped
     return torch.tensor(slots, dtype=torch.int64, device=block_table.device)
 
 

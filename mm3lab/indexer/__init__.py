@@ -38,10 +38,13 @@ from __future__ import annotations
 
 import torch
 
+import logging
+
 from .. import backend
+from ..block_table import MAX_KERNEL_TOPK
 from ..constants import PAGES_PER_SPARSE_BLOCK
 from . import reference
-from .checks import check_block_page_stride, check_decode, check_prefill, check_topk_scores
+from .checks import NO_TOPK, check_block_page_stride, check_decode, check_prefill, check_topk_scores
 from .reference import candidate_blocks, force_scores, select_topk
 
 __all__ = [
@@ -56,6 +59,15 @@ __all__ = [
     "select_topk",
     "topk_blocks",
 ]
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logging.getLogger("mm3lab").info(message)
 
 
 def _use_kernel(index_q, *tensors) -> bool:
@@ -83,6 +95,18 @@ def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_p
     h, n, _ = scores.shape
     topk_idx = torch.empty(h, n, topk, dtype=torch.int32, device=scores.device)
     tables = {}
+    if block_table is not None and topk > MAX_KERNEL_TOPK:
+        # the fused kernel compacts a row in registers (K x K): wider selections take two steps
+        _log_once(
+            f"topk {topk} > {MAX_KERNEL_TOPK}: top-k kernel, then the sparse block table on its own "
+            "(PyTorch reference path), instead of the fused kernel"
+        )
+        topk_idx = _topk(scores, topk, req, pos, batch, dql, prefill)
+        from ..block_table import build_sparse_block_table_decode, build_sparse_block_table_prefill
+
+        if prefill:
+            return (topk_idx, *build_sparse_block_table_prefill(topk_idx, block_table, req, pos, block_page_stride))
+        return (topk_idx, *build_sparse_block_table_decode(topk_idx, block_table, req, dql, block_page_stride))
     if block_table is not None:
         tables = dict(
             block_table=block_table, block_page_stride=block_page_stride,
@@ -126,7 +150,7 @@ def index_scores_decode(
     Raises:
         TypeError / ValueError: see :func:`index_topk_decode`.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, None, decode_query_len, init_blocks, local_blocks)
+    check_decode(index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks)
     if not _use_kernel(index_q, index_cache, block_table, seq_lens):
         return reference.index_scores_decode(
             index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, forced
@@ -154,7 +178,7 @@ def index_scores_prefill(
     Returns:
         ``[H, N, M]`` float32, ``-inf`` at non-candidates.
     """
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, None, init_blocks, local_blocks)
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks)
     if not _use_kernel(index_q, index_cache, block_table, query_req_id, query_abs_pos):
         return reference.index_scores_prefill(
             index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, forced
@@ -315,6 +339,8 @@ def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
         ``[..., topk]`` int32.
     """
     check_topk_scores(scores, topk)
+    if scores.shape[-1] == 0 or scores.numel() == 0:  # no candidates (or no rows): all -1
+        return torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
     interpreted_bf16 = backend.INTERPRETER and scores.dtype == torch.bfloat16
     if not backend.use_kernel(scores) or interpreted_bf16:
         return reference.topk_blocks(scores, topk)

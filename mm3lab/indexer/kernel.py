@@ -11,7 +11,7 @@ key), masks the tokens after each lane's position, and keeps the maximum
 (NaN if any visible dot is NaN, like ``torch.amax``). Decode tiles are rows of one
 request; where a prefill tile's rows read different physical blocks (a request
 boundary) the program loads one key tile per distinct physical block. With
-``FORCE`` the program also applies init/local forcing and NaN -> ``-1e30``,
+``FORCE`` the program also clamps raw scores to ``[-1e28, 1e28]``, applies init/local forcing and NaN -> ``-1e30``,
 writing the scores top-k ranks.
 
 **Top-k** (:func:`topk_kernel`). A program owns a few (head, row) pairs (one for the
@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .. import backend
 from ..block_table.kernel import emit_sparse_block_table_row
-from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
+from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, RAW_SCORE_LIMIT, SPARSE_BLOCK_SIZE
 
 MAX_REGISTER_ROW = 8192
 """Widest score row the top-k keeps in registers (8192 blocks = 1M tokens)."""
@@ -68,6 +68,7 @@ _KEY_MAX = tl.constexpr(2**63 - 1)
 _INIT_SCORE = tl.constexpr(INIT_SCORE)
 _LOCAL_SCORE = tl.constexpr(LOCAL_SCORE)
 _NAN_SCORE = tl.constexpr(NAN_SCORE)
+_RAW_LIMIT = tl.constexpr(RAW_SCORE_LIMIT)
 
 # --- row positions --------------------------------------------------------------------------
 
@@ -190,6 +191,8 @@ def _index_scores(
         score = tl.where(has_nan, float("nan"), best)
         if FORCE:
             blk = tl.zeros([BLOCK_M], dtype=tl.int32) + b
+            score = tl.where(score > _RAW_LIMIT, _RAW_LIMIT, score)  # clamp (+inf counts as 1e28); NaN stays
+            score = tl.where(score < -_RAW_LIMIT, -_RAW_LIMIT, score)
             score = tl.where(cand & (blk < init_blocks), _INIT_SCORE, score)
             score = tl.where(cand & (blk >= valid - local_blocks), _LOCAL_SCORE, score)
             score = tl.where(score != score, _NAN_SCORE, score)

@@ -9,7 +9,8 @@ For every query row ``t`` (request ``r``, absolute position ``p``) and index hea
    in float32, where the index keys of logical block ``b`` are
    ``index_cache[block_table[r, b]]`` (one key per token, shared by all heads).
    Blocks after ``p // 128`` are not candidates (score ``-inf``).
-2. **Force.** With ``valid = p // 128 + 1``: a block ``b < init_blocks`` scores
+2. **Force.** With ``valid = p // 128 + 1``: every raw score is first clamped to
+   ``[-1e28, 1e28]`` (``+inf`` counts as ``1e28``); then a block ``b < init_blocks`` scores
    ``1e30``; then a block ``b >= valid - local_blocks`` scores ``1e29`` (local is
    applied last, so a block that is both ends at ``1e29``). NaN counts as ``-1e30``.
 3. **Top-k.** ``topk_idx[h, t, :]`` = the ``topk`` candidates by descending score,
@@ -36,8 +37,8 @@ from typing import Sequence
 import torch
 
 from ..block_table.reference import build_sparse_block_table_decode, build_sparse_block_table_prefill
-from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
-from .checks import check_block_page_stride, check_decode, check_prefill, check_topk_scores
+from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, RAW_SCORE_LIMIT, SPARSE_BLOCK_SIZE
+from .checks import NO_TOPK, check_block_page_stride, check_decode, check_prefill, check_topk_scores
 
 # --- one row, in the SPEC's words -----------------------------------------------------------
 
@@ -55,11 +56,12 @@ def candidate_blocks(p: int, table_width: int | None = None) -> int:
 def force_scores(scores: Sequence[float], init_blocks: int = 0, local_blocks: int = 1) -> list[float]:
     """The selection scores of one row's ``valid = len(scores)`` candidates.
 
-    ``b < init_blocks`` -> ``1e30``; then ``b >= valid - local_blocks`` -> ``1e29``
-    (local last); NaN -> ``-1e30``.
+    First every raw score is clamped to ``[-1e28, 1e28]`` (``+inf`` counts as ``1e28``);
+    then ``b < init_blocks`` -> ``1e30``; then ``b >= valid - local_blocks`` -> ``1e29``
+    (local last); NaN -> ``-1e30``. Forced blocks therefore win against any raw score.
     """
     valid = len(scores)
-    forced = [float(s) for s in scores]
+    forced = [s if math.isnan(s) else min(max(s, -RAW_SCORE_LIMIT), RAW_SCORE_LIMIT) for s in map(float, scores)]
     for b in range(valid):
         if b < init_blocks:
             forced[b] = INIT_SCORE
@@ -166,7 +168,7 @@ def index_scores_decode(
     Returns:
         ``[H, N, M]`` float32; ``-inf`` for every non-candidate block.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, None, decode_query_len, init_blocks, local_blocks)
+    check_decode(index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks)
     rows = _decode_rows(seq_lens, decode_query_len)
     return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
 
@@ -183,7 +185,7 @@ def index_scores_prefill(
 ) -> torch.Tensor:
     """Block scores of prefill rows (step 2); arguments as :func:`index_scores_decode` except
     ``query_req_id [N]`` / ``query_abs_pos [N]`` (negative position = padded row)."""
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, None, init_blocks, local_blocks)
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks)
     rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
     return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
 
@@ -284,6 +286,8 @@ def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
         ``-1`` past ``W``.
     """
     check_topk_scores(scores, topk)
+    if scores.shape[-1] == 0 or scores.numel() == 0:  # no candidates (or no rows): all -1
+        return torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
     rows = scores.reshape(-1, scores.shape[-1]).float().tolist()
     picked = [select_topk(row, topk) for row in rows]
     out = torch.tensor(picked, dtype=torch.int32).reshape(*scores.shape[:-1], topk)

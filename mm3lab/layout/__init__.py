@@ -25,10 +25,9 @@ from __future__ import annotations
 import torch
 
 from .. import backend
-from .._checks import check_index
 from ..constants import PAGE16_SIDES_PER_BLOCK, SPARSE_BLOCK_SIZE
 from . import reference
-from .checks import check_rebase_block_table, check_write_kv
+from .checks import check_rebase_block_table, check_rebase_slots, check_write_kv
 from .views import (
     DENSE_STRIDE,
     LAYOUTS,
@@ -52,8 +51,8 @@ __all__ = [
     "DENSE_STRIDE",
     "LAYOUTS",
     "PACKED_STRIDE",
-    "PagedKVCache",
     "PageLocation",
+    "PagedKVCache",
     "allocate_kv_cache",
     "check_kv_views",
     "kv_cache_layout",
@@ -100,7 +99,7 @@ def rebase_slot_mapping_to_page16(slots: torch.Tensor) -> torch.Tensor:
     Args:
         slots: int32/int64 tensor of page-128 slots, any shape (usually ``[N]``).
     """
-    check_index("slots", slots)
+    check_rebase_slots(slots)
     block = torch.div(slots.clamp(min=0), SPARSE_BLOCK_SIZE, rounding_mode="floor")
     return (slots + block * SPARSE_BLOCK_SIZE).contiguous()
 

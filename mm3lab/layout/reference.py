@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..constants import PAGE16_SIDES_PER_BLOCK, PAGE_SIZE, SPARSE_BLOCK_SIZE
-from .._checks import check_index
-from .checks import cache_slots, check_rebase_block_table, check_write_kv
+from .checks import cache_slots, check_rebase_block_table, check_rebase_slots, check_write_kv
 
 
 def rebase_block_table_to_page16(block_table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -36,7 +35,7 @@ def rebase_slot_mapping_to_page16(slots: torch.Tensor) -> torch.Tensor:
     Args:
         slots: int tensor ``[N]`` (any shape) of page-128 slots.
     """
-    check_index("slots", slots)
+    check_rebase_slots(slots)
     rebased = []
     for s in slots.reshape(-1).tolist():
         block = max(s, 0) // SPARSE_BLOCK_SIZE

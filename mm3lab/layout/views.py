@@ -9,15 +9,29 @@ import dataclasses
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_int, check_last_dim_contiguous, check_same_device, check_tensor
+from .._checks import (
+    FLOAT_DTYPES,
+    check_block_page_stride,
+    check_device,
+    check_int,
+    check_last_dim_contiguous,
+    check_no_alias,
+    check_same_device,
+    check_tensor,
+)
 from ..constants import PAGE16_SIDES_PER_BLOCK, PAGE_SIZE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
 
 LAYOUTS = ("dense", "packed")
+MAX_PAGES = 2**31 - 1
+"""Page ids are int32: a pair of views holds at most this many pages."""
+I64_MIN = -(2**63)
 DENSE_STRIDE = PAGES_PER_SPARSE_BLOCK  # 8 page ids per block
 PACKED_STRIDE = PAGES_PER_SPARSE_BLOCK * PAGE16_SIDES_PER_BLOCK  # 16 page ids per block
 
 
 def _check_layout(layout: str) -> str:
+    if not isinstance(layout, str):
+        raise TypeError(f"layout: expected 'dense' or 'packed', got {type(layout).__name__}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected 'dense' or 'packed', got {layout!r}")
     return layout
@@ -94,6 +108,14 @@ def allocate_kv_cache(
         check_int(name, value, minimum=1)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+    if fill is not None and (isinstance(fill, bool) or not isinstance(fill, (int, float))):
+        raise TypeError(f"fill: expected a Python float or None, got {type(fill).__name__}")
+    device = check_device("device", device)
+    if num_blocks * PACKED_STRIDE > MAX_PAGES:
+        raise ValueError(
+            f"num_blocks: {num_blocks} blocks need {num_blocks * PACKED_STRIDE} page ids, past int32 "
+            f"(at most {MAX_PAGES // PACKED_STRIDE} blocks)"
+        )
     if layout == "dense":
         storage = torch.empty(2, num_blocks, SPARSE_BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype, device=device)
         kv = storage.permute(1, 0, 2, 3, 4)
@@ -160,15 +182,17 @@ def page16_views(kv_cache: torch.Tensor, layout: str | None = None) -> tuple[tor
 
 
 def sides_are_packed(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """True for the packed-sides layout: ``v_cache`` has 8 pages fewer than ``k_cache``."""
-    check_tensor("k_cache", k_cache, ndim=4)
-    check_tensor("v_cache", v_cache, ndim=4)
-    return v_cache.shape[0] == k_cache.shape[0] - PAGES_PER_SPARSE_BLOCK
+    """True for the packed-sides layout: ``v_cache`` has 8 pages fewer than ``k_cache``.
+
+    The views get every check of :func:`check_kv_views` (page size, heads, head dim,
+    dtype, device, page counts) first: a pair that fits neither layout raises.
+    """
+    return check_kv_views(k_cache, v_cache) == PACKED_STRIDE
 
 
 def sparse_block_page_stride(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
-    """Page ids per physical block for these views: 16 when packed, else 8."""
-    return PACKED_STRIDE if sides_are_packed(k_cache, v_cache) else DENSE_STRIDE
+    """Page ids per physical block for these views: 16 when packed, else 8 (views checked as in :func:`check_kv_views`)."""
+    return check_kv_views(k_cache, v_cache)
 
 
 def check_kv_views(k_cache, v_cache) -> int:
@@ -193,7 +217,10 @@ def check_kv_views(k_cache, v_cache) -> int:
     check_last_dim_contiguous("k_cache", k_cache)
     check_last_dim_contiguous("v_cache", v_cache)
     pk, pv = k_cache.shape[0], v_cache.shape[0]
+    if pk > MAX_PAGES:
+        raise ValueError(f"k_cache: {pk} pages, past int32 page ids (at most {MAX_PAGES})")
     if pk == pv and pk % DENSE_STRIDE == 0:
+        check_no_alias(k_cache=k_cache, inputs={"v_cache": v_cache})  # dense planes are disjoint
         return DENSE_STRIDE
     if pv == pk - PAGES_PER_SPARSE_BLOCK and pk % PACKED_STRIDE == 0:
         return PACKED_STRIDE
@@ -249,9 +276,14 @@ def locate_page(page_id: int, view: str, layout: str, num_blocks: int, page_byte
     starts 8 pages later, so a page id ``16*b + j`` (``j < 8``) reaches block
     ``b``'s K page ``j`` through ``k_cache`` and its V page ``j`` through ``v_cache``.
     """
-    _check_layout(layout)
+    check_int("page_id", page_id, minimum=I64_MIN)
+    if not isinstance(view, str):
+        raise TypeError(f"view: expected 'k' or 'v', got {type(view).__name__}")
     if view not in ("k", "v"):
         raise ValueError(f"view: expected 'k' or 'v', got {view!r}")
+    _check_layout(layout)
+    check_int("num_blocks", num_blocks, minimum=1)
+    check_int("page_bytes", page_bytes, minimum=1)
     pages_total = num_blocks * PACKED_STRIDE
     if layout == "dense":
         count = num_blocks * DENSE_STRIDE
@@ -272,15 +304,15 @@ def locate_page(page_id: int, view: str, layout: str, num_blocks: int, page_byte
 
 def page_ids_of_block(block: int, block_page_stride: int) -> list[int]:
     """The 8 page ids ``block * block_page_stride + j`` that cover one physical block."""
-    if block_page_stride not in (DENSE_STRIDE, PACKED_STRIDE):
-        raise ValueError(f"block_page_stride: expected 8 or 16, got {block_page_stride!r}")
+    check_int("block", block, minimum=0)
+    check_block_page_stride(block_page_stride)
     return [block * block_page_stride + j for j in range(PAGES_PER_SPARSE_BLOCK)]
 
 
 def slot_to_page(slot: int, block_page_stride: int) -> tuple[int, int] | None:
     """A page-128 slot ``block*128 + off`` -> ``(page_id, row)``; ``None`` for a padding slot."""
-    if block_page_stride not in (DENSE_STRIDE, PACKED_STRIDE):
-        raise ValueError(f"block_page_stride: expected 8 or 16, got {block_page_stride!r}")
+    check_int("slot", slot, minimum=I64_MIN)
+    check_block_page_stride(block_page_stride)
     if slot < 0:
         return None
     block, off = divmod(slot, SPARSE_BLOCK_SIZE)

@@ -22,20 +22,21 @@ import dataclasses
 
 import torch
 
-from .._checks import check_index, check_int, check_same_device, check_tensor
+from .._checks import check_index, check_int, check_no_alias, check_same_device, check_scale, check_tensor
 from ..attention import sparse_attention
 from ..constants import DEFAULT_TOPK
 from ..index_cache import insert_index_cache, token_slots
-from ..index_cache.checks import check_insert_index_cache
+from ..index_cache.checks import check_index_cache, check_insert_index_cache
 from ..indexer import (
     index_scores_decode,
     index_scores_prefill,
     index_topk_block_table_decode,
     index_topk_block_table_prefill,
 )
+from ..indexer.checks import MAX_TOPK, check_table_entries
 from ..indexer.checks import check_decode as check_indexer_decode
 from ..indexer.checks import check_prefill as check_indexer_prefill
-from ..layout import check_kv_views, write_kv_page16
+from ..layout import check_kv_views, num_cache_blocks, write_kv_page16
 from ..layout.checks import check_write_kv
 
 __all__ = ["MSAStep", "decode_query_rows", "msa_decode", "msa_prefill"]
@@ -113,20 +114,49 @@ def _check_query(q, k_cache, v_cache, index_q=None) -> int:
     return block_page_stride
 
 
-def _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos) -> torch.Tensor:
-    """Slots of the new tokens, after checking both inserts: nothing is written until all checks pass."""
-    if q.shape[0] != pos.shape[0]:
-        raise ValueError(f"q: expected one row per query token ({pos.shape[0]}), got {q.shape[0]}")
-    check_same_device(q=q, k_cache=k_cache, block_table=block_table)
+def _prepare_inserts(
+    q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, *, scale=None, table_checked=False,
+) -> torch.Tensor:
+    """Slots of the new tokens, after checking every argument of the step (SPEC section 7).
+
+    Nothing is written until all checks pass: the new tokens' K/V (and index keys), the
+    ``scale``, the block table's entries against the KV cache, and the slots.
+    """
+    n = pos.shape[0]
+    _, _, hkv, d = k_cache.shape
+    if q.shape[0] != n:
+        raise ValueError(f"q: expected one row per query token ({n}), got {q.shape[0]}")
+    check_tensor("key", key, shape=(n, hkv, d), dtypes=(k_cache.dtype,))
+    check_tensor("value", value, shape=(n, hkv, d), dtypes=(k_cache.dtype,))
+    check_scale(scale, d)
+    check_same_device(q=q, k_cache=k_cache, key=key, value=value, block_table=block_table)
+    check_no_alias(k_cache=k_cache, v_cache=v_cache, inputs={"q": q, "key": key, "value": value, "index_k": index_k})
+    if index_cache is not None:
+        check_no_alias(index_cache=index_cache, inputs={"q": q, "key": key, "value": value, "index_k": index_k})
+    if not table_checked:
+        check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache")
     slots = token_slots(block_table, req, pos)
     check_write_kv(key, value, k_cache, v_cache, slots)
-    if index_k is not None:
+    if index_cache is not None:
         check_insert_index_cache(index_k, index_cache, slots)
     return slots
 
 
+def _check_index_step(index_k, index_cache, k_cache, v_cache, topk) -> None:
+    """The MSA layer's own rules: an index key per token, the top-k, one block count for both caches."""
+    check_tensor("index_k", index_k, ndim=2)
+    check_int("topk", topk, minimum=1, maximum=MAX_TOPK)
+    check_index_cache(index_cache)
+    kv_blocks = num_cache_blocks(k_cache, v_cache)
+    if index_cache.shape[0] != kv_blocks:
+        raise ValueError(
+            f"index_cache: {index_cache.shape[0]} blocks, but the KV cache has {kv_blocks}: both caches take the "
+            "same slot from the one block table, so they must hold the same number of blocks"
+        )
+
+
 def _insert(key, value, index_k, k_cache, v_cache, index_cache, slots) -> None:
-    if index_k is not None:
+    if index_cache is not None:
         insert_index_cache(index_k, index_cache, slots)
     write_kv_page16(key, value, k_cache, v_cache, slots)
 
@@ -178,11 +208,14 @@ def msa_decode(
         ``out [N, Hq, D]`` in q's dtype, or ``(out, MSAStep)``.
     """
     block_page_stride = _check_query(q, k_cache, v_cache, index_q)
+    _check_index_step(index_k, index_cache, k_cache, v_cache, topk)
     check_indexer_decode(
         index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks
     )
     req, pos = decode_query_rows(seq_lens, decode_query_len)
-    slots = _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos)
+    slots = _prepare_inserts(
+        q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale, table_checked=True
+    )
     _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
     topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_decode(
         index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
@@ -226,11 +259,14 @@ def msa_prefill(
         ``out [N, Hq, D]``, or ``(out, MSAStep)``.
     """
     block_page_stride = _check_query(q, k_cache, v_cache, index_q)
+    _check_index_step(index_k, index_cache, k_cache, v_cache, topk)
     check_indexer_prefill(
         index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks
     )
     req, pos = query_req_id, query_abs_pos
-    slots = _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos)
+    slots = _prepare_inserts(
+        q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale, table_checked=True
+    )
     _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
     topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_prefill(
         index_q, index_cache, block_table, req, pos, topk, init_blocks, local_blocks, block_page_stride

@@ -417,8 +417,10 @@ def show_causal_tail(position: int = 300, topk="2 0 1 -1", decode_query_len: int
     ``decode_query_len > 1`` the request's earlier rows sit just before it and
     share the selection ``topk``.
     """
+    from .._checks import check_int
     from ..explain import explain_sparse_block_table
 
+    check_int("position", position, minimum=0)
     blk = parse_topk(topk)
     table = _table(block_table_row)
     print(explain_sparse_block_table(blk, table, position + 1, block_page_stride, decode_query_len))

@@ -346,11 +346,14 @@ def show_msa(topk: int = 4, context_len: int = 2048, layout: str = "packed", pat
 
     The widget's callback (:func:`mm3lab.widgets.msa.msa_widget`).
     """
+    from .._checks import check_int
     from ..synthetic import synthetic_layer
     from .msa_demo import run_msa_demo
 
-    layer = synthetic_layer(int(context_len), layout=layout, pattern=pattern, seed=seed, **DEMO_LAYER)
-    demo = run_msa_demo(layer, int(topk))
+    check_int("topk", topk, minimum=1)
+    check_int("context_len", context_len, minimum=1)
+    layer = synthetic_layer(context_len, layout=layout, pattern=pattern, seed=seed, **DEMO_LAYER)
+    demo = run_msa_demo(layer, topk)
     print(step_summary(demo))
     return plot_msa_demo(demo)
 

@@ -297,6 +297,13 @@ def show_selection(pattern: str = "needle", topk: int = 4, init_blocks: int = 0,
 
     The heatmap's rows are ``rows`` positions spread over the sequence plus ``query_position``.
     """
+    from .._checks import check_int
+
+    check_int("topk", topk, minimum=1)
+    check_int("init_blocks", init_blocks, minimum=0)
+    check_int("local_blocks", local_blocks, minimum=0)
+    check_int("query_position", query_position, minimum=0)
+    check_int("head", head, minimum=0)
     seq = demo_sequence(pattern, seq_len, seed)
     if not 0 <= query_position < seq.seq_len:
         raise ValueError(f"query_position: expected 0 <= query_position < {seq.seq_len}, got {query_position}")
