@@ -170,7 +170,9 @@ class _MSAPlan:
         if self.graph:
             kv = {"dtype": self.dtype, "device": dev}
             static = {
-                "q": torch.zeros(n, hq, d, **kv), "key": torch.zeros(n, h, d, **kv), "value": torch.zeros(n, h, d, **kv),
+                "q": torch.zeros(n, hq, d, **kv),
+                "key": torch.zeros(n, h, d, **kv),
+                "value": torch.zeros(n, h, d, **kv),
                 "index_q": torch.zeros(n, h, di, dtype=self.index_dtype, device=dev),
                 "index_k": torch.zeros(n, di, dtype=self.index_dtype, device=dev),
                 "block_table": torch.zeros(b, m, dtype=self.id_dtype, device=dev),
