@@ -22,7 +22,8 @@ import dataclasses
 
 import torch
 
-from .._checks import check_index, check_int, check_same_device, check_tensor
+from .._checks import check_index, check_int, check_same_device, check_tensor, validation
+from .._rows import rows_and_slots
 from ..attention import sparse_attention
 from ..constants import DEFAULT_TOPK
 from ..index_cache import insert_index_cache, token_slots
@@ -113,12 +114,29 @@ def _check_query(q, k_cache, v_cache, index_q=None) -> int:
     return block_page_stride
 
 
-def _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos) -> torch.Tensor:
-    """Slots of the new tokens, after checking both inserts: nothing is written until all checks pass."""
+def _decode_rows_and_slots(block_table, seq_lens, decode_query_len):
+    """``(req, pos, slots)`` of decode rows in one launch: :func:`decode_query_rows` and
+    :func:`mm3lab.index_cache.token_slots` (the rows are inside the table: checked with the indexer's arguments)."""
+    n = seq_lens.shape[0] * decode_query_len
+    dev = seq_lens.device
+    req = torch.empty(n, dtype=torch.int32, device=dev)
+    pos = torch.empty(n, dtype=torch.int32, device=dev)
+    slots = torch.empty(n, dtype=torch.int64, device=dev)
+    rows_and_slots(block_table, req, pos, slots, seq_lens=seq_lens, decode_query_len=decode_query_len)
+    return req, pos, slots
+
+
+def _prepare_inserts(
+    q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, slots=None
+) -> torch.Tensor:
+    """Slots of the new tokens, after checking both inserts: nothing is written until all checks pass.
+
+    ``slots`` given: the rows were already checked against the block table (the indexer's checks)."""
     if q.shape[0] != pos.shape[0]:
         raise ValueError(f"q: expected one row per query token ({pos.shape[0]}), got {q.shape[0]}")
     check_same_device(q=q, k_cache=k_cache, block_table=block_table)
-    slots = token_slots(block_table, req, pos)
+    if slots is None:
+        slots = token_slots(block_table, req, pos)
     check_write_kv(key, value, k_cache, v_cache, slots)
     if index_k is not None:
         check_insert_index_cache(index_k, index_cache, slots)
@@ -181,13 +199,15 @@ def msa_decode(
     check_indexer_decode(
         index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks
     )
-    req, pos = decode_query_rows(seq_lens, decode_query_len)
-    slots = _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos)
+    check_same_device(q=q, block_table=block_table)
+    req, pos, slots = _decode_rows_and_slots(block_table, seq_lens, decode_query_len)
+    slots = _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, slots)
     _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
-    topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_decode(
-        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
-        block_page_stride,
-    )
+    with validation(False):  # checked above (check_indexer_decode): not again
+        topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_decode(
+            index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
+            block_page_stride,
+        )
     out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
     if not return_intermediates:
         return out
@@ -230,11 +250,15 @@ def msa_prefill(
         index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks
     )
     req, pos = query_req_id, query_abs_pos
-    slots = _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos)
+    check_same_device(q=q, block_table=block_table)
+    slots = torch.empty(pos.shape[0], dtype=torch.int64, device=pos.device)
+    rows_and_slots(block_table, req, pos, slots)
+    slots = _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, slots)
     _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
-    topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_prefill(
-        index_q, index_cache, block_table, req, pos, topk, init_blocks, local_blocks, block_page_stride
-    )
+    with validation(False):  # checked above (check_indexer_prefill): not again
+        topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_prefill(
+            index_q, index_cache, block_table, req, pos, topk, init_blocks, local_blocks, block_page_stride
+        )
     out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
     if not return_intermediates:
         return out
