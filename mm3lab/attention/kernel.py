@@ -228,9 +228,19 @@ def launch_config(n_rows: int, hq: int, hkv: int, d: int, width: int, device: to
     return {"BLOCK_N": block_n, "num_splits": splits}
 
 
+def num_splits(n_rows: int, hq: int, hkv: int, d: int, width: int, device: torch.device) -> int:
+    """Splits :func:`sparse_attention_kernel` launches with its default heuristic (1: no partials)."""
+    cfg = launch_config(n_rows, hq, hkv, d, width, device)
+    pages_per_step = cfg["BLOCK_N"] // PAGE_SIZE
+    steps = max(1, math.ceil(width / pages_per_step))
+    splits = max(1, min(cfg["num_splits"], steps))
+    pages_per_split = math.ceil(steps / splits) * pages_per_step
+    return max(1, math.ceil(width / pages_per_split)) if width else 1
+
+
 def sparse_attention_kernel(
     q, k_cache, v_cache, sparse_bt, sparse_ctx, scale: float, out, lse,
-    *, num_splits: int | None = None, block_n: int | None = None,
+    *, num_splits: int | None = None, block_n: int | None = None, workspace=None,
 ) -> None:
     """Launch the attention (and, with several splits, the merge). Arguments are already validated.
 
@@ -239,6 +249,8 @@ def sparse_attention_kernel(
         out: ``[N, Hq, D]`` contiguous, q's dtype (written).
         lse: ``[N, Hq]`` float32 contiguous, or ``None``.
         num_splits, block_n: override the heuristic of :func:`launch_config` (tests use this).
+        workspace: optional ``(part_o [N, Hq, S, D] float32, part_lse [N, Hq, S] float32)`` for the
+            split partials (``S`` = :func:`num_splits`), so that a plan's call allocates nothing.
     """
     n_rows, hq, d = q.shape
     hkv, _, width = sparse_bt.shape
@@ -273,8 +285,11 @@ def sparse_attention_kernel(
             ONE_SPLIT=True, WRITE_LSE=lse is not None, **common,
         )
         return
-    part_o = torch.empty(n_rows, hq, splits, d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(n_rows, hq, splits, dtype=torch.float32, device=q.device)
+    if workspace is not None and tuple(workspace[0].shape) == (n_rows, hq, splits, d):
+        part_o, part_lse = workspace
+    else:
+        part_o = torch.empty(n_rows, hq, splits, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(n_rows, hq, splits, dtype=torch.float32, device=q.device)
     _sparse_attention_fwd[grid](
         q, k_cache, v_cache, sparse_bt, sparse_ctx, part_o, part_lse, *args,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
@@ -292,4 +307,4 @@ def sparse_attention_kernel(
     )
 
 
-__all__ = ["launch_config", "sparse_attention_kernel"]
+__all__ = ["launch_config", "num_splits", "sparse_attention_kernel"]

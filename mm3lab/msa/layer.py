@@ -22,7 +22,8 @@ import dataclasses
 
 import torch
 
-from .._checks import check_index, check_int, check_no_alias, check_same_device, check_scale, check_tensor
+from .._checks import check_index, check_int, check_no_alias, check_same_device, check_scale, check_tensor, validation
+from .._rows import rows_and_slots
 from ..attention import sparse_attention
 from ..constants import DEFAULT_TOPK
 from ..index_cache import insert_index_cache, token_slots
@@ -114,13 +115,26 @@ def _check_query(q, k_cache, v_cache, index_q=None) -> int:
     return block_page_stride
 
 
+def _decode_rows_and_slots(block_table, seq_lens, decode_query_len):
+    """``(req, pos, slots)`` of decode rows in one launch: :func:`decode_query_rows` and
+    :func:`mm3lab.index_cache.token_slots` (the rows are inside the table: checked with the indexer's arguments)."""
+    n = seq_lens.shape[0] * decode_query_len
+    dev = seq_lens.device
+    req = torch.empty(n, dtype=torch.int32, device=dev)
+    pos = torch.empty(n, dtype=torch.int32, device=dev)
+    slots = torch.empty(n, dtype=torch.int64, device=dev)
+    rows_and_slots(block_table, req, pos, slots, seq_lens=seq_lens, decode_query_len=decode_query_len)
+    return req, pos, slots
+
+
 def _prepare_inserts(
-    q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, *, scale=None, table_checked=False,
+    q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, *, scale=None, table_checked=False, slots=None,
 ) -> torch.Tensor:
     """Slots of the new tokens, after checking every argument of the step (SPEC section 7).
 
     Nothing is written until all checks pass: the new tokens' K/V (and index keys), the
     ``scale``, the block table's entries against the KV cache, and the slots.
+    ``slots`` given: computed by :func:`rows_and_slots` from rows already checked against the table.
     """
     n = pos.shape[0]
     _, _, hkv, d = k_cache.shape
@@ -135,7 +149,8 @@ def _prepare_inserts(
         check_no_alias(index_cache=index_cache, inputs={"q": q, "key": key, "value": value, "index_k": index_k})
     if not table_checked:
         check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache")
-    slots = token_slots(block_table, req, pos)
+    if slots is None:
+        slots = token_slots(block_table, req, pos)
     check_write_kv(key, value, k_cache, v_cache, slots)
     if index_cache is not None:
         check_insert_index_cache(index_k, index_cache, slots)
@@ -212,15 +227,17 @@ def msa_decode(
     check_indexer_decode(
         index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks
     )
-    req, pos = decode_query_rows(seq_lens, decode_query_len)
+    req, pos, slots = _decode_rows_and_slots(block_table, seq_lens, decode_query_len)
     slots = _prepare_inserts(
-        q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale, table_checked=True
+        q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale, table_checked=True,
+        slots=slots,
     )
     _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
-    topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_decode(
-        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
-        block_page_stride,
-    )
+    with validation(False):  # checked above (check_indexer_decode): not again
+        topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_decode(
+            index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
+            block_page_stride,
+        )
     out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
     if not return_intermediates:
         return out
@@ -264,13 +281,17 @@ def msa_prefill(
         index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks
     )
     req, pos = query_req_id, query_abs_pos
+    slots = torch.empty(pos.shape[0], dtype=torch.int64, device=pos.device)
+    rows_and_slots(block_table, req, pos, slots)
     slots = _prepare_inserts(
-        q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale, table_checked=True
+        q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale, table_checked=True,
+        slots=slots,
     )
     _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
-    topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_prefill(
-        index_q, index_cache, block_table, req, pos, topk, init_blocks, local_blocks, block_page_stride
-    )
+    with validation(False):  # checked above (check_indexer_prefill): not again
+        topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_prefill(
+            index_q, index_cache, block_table, req, pos, topk, init_blocks, local_blocks, block_page_stride
+        )
     out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
     if not return_intermediates:
         return out
