@@ -9,7 +9,16 @@ sparse block table puts the causal tail block last (SPEC section 3).
 
 ``reference.py`` holds the readable page-walking reference and the
 dense-masked reference (whole sequence, mask "causal and block selected");
-``kernel.py`` the GQA-packed Triton kernel with its split-over-pages merge.
+``kernel.py`` the GQA-packed per-row Triton kernel with its split-over-pages merge;
+``tiled.py`` the tiled prefill kernel, whose programs take a tile of consecutive
+rows and walk the union of their pages once.
+
+Which kernel runs (``algorithm=None``): the tiled kernel when the call has at
+least :data:`TILED_MIN_ROWS` rows, the per-row kernel otherwise. Decode and
+speculative decode batches stay on the per-row kernel below that row count;
+inside the tiled kernel, a tile whose rows share few pages walks its rows one by
+one (``tiled.ROW_MODE_FACTOR``), so independent random selections cost about what
+the per-row kernel costs.
 """
 
 from __future__ import annotations
@@ -21,7 +30,20 @@ from . import reference
 from .checks import check_sparse_attention
 from .reference import dense_masked_attention
 
-__all__ = ["dense_masked_attention", "sparse_attention"]
+__all__ = ["ALGORITHMS", "TILED_MIN_ROWS", "choose_algorithm", "dense_masked_attention", "sparse_attention"]
+
+ALGORITHMS = ("rows", "tiled")
+TILED_MIN_ROWS = 256
+"""Calls with at least this many rows (query tokens) run the tiled kernel by default."""
+
+
+def choose_algorithm(n_rows: int, algorithm: str | None = None) -> str:
+    """The kernel a call with ``n_rows`` rows runs: ``algorithm`` if given, else the documented rule."""
+    if algorithm is not None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm: expected None or one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}")
+        return algorithm
+    return "tiled" if n_rows >= TILED_MIN_ROWS else "rows"
 
 
 def sparse_attention(
@@ -34,6 +56,7 @@ def sparse_attention(
     *,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    algorithm: str | None = None,
 ):
     """Sparse paged attention of every (row, KV head) over its page list (SPEC section 5).
 
@@ -58,10 +81,15 @@ def sparse_attention(
         scale: softmax scale, default ``D ** -0.5``.
         return_lse: also return the natural-log log-sum-exp of the scaled scores.
         out: optional ``[N, Hq, D]`` contiguous buffer in q's dtype.
+        algorithm: ``None`` (the rule: ``"tiled"`` from :data:`TILED_MIN_ROWS` rows up, else
+            ``"rows"``), ``"rows"`` (one program per row and KV head) or ``"tiled"`` (one
+            program per tile of consecutive rows and KV head, each union page read once per
+            tile). All give the same result to floating-point tolerance.
     Returns:
         ``out [N, Hq, D]`` in q's dtype, or ``(out, lse [N, Hq] float32)``.
     """
     _, scale = check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out)
+    algorithm = choose_algorithm(q.shape[0], algorithm)
     interpreted_bf16 = backend.INTERPRETER and q.dtype == torch.bfloat16
     if not backend.use_kernel(q, k_cache, sparse_bt) or interpreted_bf16:
         return reference.sparse_attention(
@@ -73,6 +101,10 @@ def sparse_attention(
     if out is None:
         out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(n, hq, dtype=torch.float32, device=q.device) if return_lse else None
-    if n:
+    if n and algorithm == "tiled":
+        from .tiled import tiled_attention_kernel
+
+        tiled_attention_kernel(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, lse)
+    elif n:
         sparse_attention_kernel(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, lse)
     return (out, lse) if return_lse else out
