@@ -19,6 +19,7 @@ from mm3lab.constants import HEAD_DIM, INDEX_HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS
 
 from . import baselines
 from .common import Context, bench, bench_graph
+from .prefill import run_prefill  # noqa: F401  (a suite, named in SUITES)
 
 TOPK = 16
 DT = torch.bfloat16
@@ -325,6 +326,7 @@ SUITES = {
     "attention_decode": "run_attention_decode",
     "attention_prefill": "run_attention_prefill",
     "msa_decode": "run_msa_decode",
+    "prefill": "run_prefill",
 }
 
 __all__ = ["SUITES"]

@@ -109,7 +109,7 @@ def make_chunk_case(
     q = torch.randn(n, hkv * group, d, generator=g).to(dtype)
     block_table = base.block_table.cpu()
     sparse_bt, sparse_ctx = build_table(topk_idx, block_table, req, pos, base.cache.block_page_stride)
-    to = dict(device=device)
+    to = {"device": device}
     return Case(
         q.to(**to), base.key, base.value, base.cache, base.block_table, base.seq_lens,
         topk_idx.to(**to), req.to(**to), pos.to(**to), sparse_bt.to(**to), sparse_ctx.to(**to),
@@ -240,7 +240,7 @@ def test_property_overlap_cpu(data):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@settings(max_examples=100)
+@settings(max_examples=40)
 @given(data=st.data())
 def test_property_overlap_cuda(data):
     case = data.draw(chunk_cases("cuda"))

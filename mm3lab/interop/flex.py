@@ -43,7 +43,7 @@ def kv_layout(seq_lens) -> tuple[torch.Tensor, int]:
 def pack_kv(x: torch.Tensor, seq_lens) -> torch.Tensor:
     """``[B, S, Hkv, D]`` per-request sequences -> ``[1, Hkv, kv_len, D]`` packed on 128-token boundaries."""
     offset, kv_len = kv_layout(seq_lens)
-    b, _, hkv, d = x.shape
+    _, _, hkv, d = x.shape
     packed = x.new_zeros(1, hkv, max(kv_len, SPARSE_BLOCK_SIZE), d)
     for r, length in enumerate(torch.as_tensor(seq_lens).tolist()):
         start = int(offset[r]) * SPARSE_BLOCK_SIZE
@@ -53,7 +53,7 @@ def pack_kv(x: torch.Tensor, seq_lens) -> torch.Tensor:
 
 def selected_blocks(topk_idx, query_req_id, query_abs_pos, seq_lens) -> torch.Tensor:
     """``[Hkv, N, kv_blocks]`` bool: key block ``j`` is selected and causally reachable for row ``n``."""
-    hkv, n, topk = topk_idx.shape
+    hkv, n, _ = topk_idx.shape
     device = topk_idx.device
     offset, kv_len = kv_layout(seq_lens)
     offset = offset.to(device)
