@@ -153,6 +153,129 @@ def _tile_step(
 
 
 @triton.jit
+def _walk_union(
+    q_ptr, k_head, v_head, bt_ptr, ctx_ptr, o_ptr, lse_ptr, h, row0, n_rows, num_pages, width, qk_scale,
+    stride_qn, stride_qh, stride_qd, stride_kp, stride_kr, stride_vp, stride_vr,
+    stride_bh, stride_bn, stride_bw, stride_ch, stride_cn, stride_on, stride_oh, stride_ln, stride_lh, group,
+    union_row, count,
+    T: tl.constexpr, GP: tl.constexpr, W_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    PAGES: tl.constexpr, PAGE: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """The tile's ``T * G`` query vectors walk the union of the tile's pages once."""
+    M: tl.constexpr = T * GP
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    offs_m = tl.arange(0, M)
+    t_m = offs_m // GP
+    g_m = offs_m % GP
+    n_m = row0 + t_m
+    m_ok = (n_m < n_rows) & (g_m < group)
+    heads = h * group + g_m
+    q = tl.load(
+        q_ptr + n_m.to(tl.int64)[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=m_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    offs_t = tl.arange(0, T)
+    n_t = row0 + offs_t
+    t_ok = n_t < n_rows
+    ctx_t = tl.load(ctx_ptr + h * stride_ch + n_t * stride_cn, mask=t_ok, other=0).to(tl.int32)
+    ctx_t = tl.minimum(tl.maximum(ctx_t, 0), width * PAGE)
+    offs_w = tl.arange(0, W_PAD)
+    used = (offs_w[None, :] * PAGE < ctx_t[:, None]) & (offs_w[None, :] < width)
+    bt_tile = tl.load(
+        bt_ptr + h.to(tl.int64) * stride_bh + n_t.to(tl.int64)[:, None] * stride_bn + offs_w[None, :] * stride_bw,
+        mask=used, other=-1,
+    ).to(tl.int32)
+    bt_tile = tl.where(used, bt_tile, -1)
+    full_slot = ((offs_w[None, :] + 1) * PAGE <= ctx_t[:, None]).to(tl.int32)  # [T, W_PAD]
+    part_slot = tl.where(used & (full_slot == 0), ctx_t[:, None] - offs_w[None, :] * PAGE, 0)
+
+    m_i = tl.full([M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([M], dtype=tl.float32)
+    acc = tl.zeros([M, D_PAD], dtype=tl.float32)
+    if INTERPRETED:
+        start = 0
+        while start < count:
+            m_i, l_i, acc = _tile_step(
+                q, k_head, v_head, union_row, start, count, bt_tile, full_slot, part_slot, num_pages,
+                qk_scale, m_i, l_i, acc, stride_kp, stride_kr, stride_vp, stride_vr,
+                T, GP, D, D_PAD, PAGES, PAGE, DOT_PRECISION,
+            )
+            start += PAGES
+    else:
+        for start in range(0, count, PAGES):
+            m_i, l_i, acc = _tile_step(
+                q, k_head, v_head, union_row, start, count, bt_tile, full_slot, part_slot, num_pages,
+                qk_scale, m_i, l_i, acc, stride_kp, stride_kr, stride_vp, stride_vr,
+                T, GP, D, D_PAD, PAGES, PAGE, DOT_PRECISION,
+            )
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    tl.store(
+        o_ptr + n_m.to(tl.int64)[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :],
+    )
+    if WRITE_LSE:
+        lse = tl.where(seen, m_i * _LN2 + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + n_m.to(tl.int64) * stride_ln + heads * stride_lh, lse, mask=m_ok)
+
+
+@triton.jit
+def _walk_rows(
+    q_ptr, k_head, v_head, bt_ptr, ctx_ptr, o_ptr, lse_ptr, h, row0, n_rows, num_pages, width, qk_scale,
+    stride_qn, stride_qh, stride_qd, stride_kp, stride_kr, stride_vp, stride_vr,
+    stride_bh, stride_bn, stride_bw, stride_ch, stride_cn, stride_on, stride_oh, stride_ln, stride_lh, group,
+    T: tl.constexpr, GP16: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, ROW_BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Each row of the tile walks its own page list (the per-row algorithm), one after the other."""
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    offs_g = tl.arange(0, GP16)
+    g_ok = offs_g < group
+    heads = h * group + offs_g
+    for t in range(T):
+        n = row0 + t
+        if n < n_rows:
+            q = tl.load(
+                q_ptr + n.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0,
+            )
+            ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn).to(tl.int32)
+            ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE)
+            bt_row = bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn
+            m_r = tl.full([GP16], float("-inf"), dtype=tl.float32)
+            l_r = tl.zeros([GP16], dtype=tl.float32)
+            acc_r = tl.zeros([GP16, D_PAD], dtype=tl.float32)
+            if INTERPRETED:
+                start = 0
+                while start < ctx:
+                    m_r, l_r, acc_r = _row_step(
+                        q, k_head, v_head, bt_row, start, ctx, num_pages, qk_scale, m_r, l_r, acc_r,
+                        stride_kp, stride_kr, stride_vp, stride_vr, stride_bw,
+                        D, D_PAD, ROW_BLOCK_N, PAGE, DOT_PRECISION,
+                    )
+                    start += ROW_BLOCK_N
+            else:
+                for start in range(0, ctx, ROW_BLOCK_N):
+                    m_r, l_r, acc_r = _row_step(
+                        q, k_head, v_head, bt_row, start, ctx, num_pages, qk_scale, m_r, l_r, acc_r,
+                        stride_kp, stride_kr, stride_vp, stride_vr, stride_bw,
+                        D, D_PAD, ROW_BLOCK_N, PAGE, DOT_PRECISION,
+                    )
+            seen = l_r > 0
+            out = acc_r / tl.where(seen, l_r, 1.0)[:, None]
+            tl.store(
+                o_ptr + n.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
+                out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :],
+            )
+            if WRITE_LSE:
+                lse = tl.where(seen, m_r * _LN2 + tl.log(tl.where(seen, l_r, 1.0)), float("-inf"))
+                tl.store(lse_ptr + n.to(tl.int64) * stride_ln + heads * stride_lh, lse, mask=g_ok)
+
+
+@triton.jit
 def _tiled_fwd(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, union_ptr, count_ptr, rowpages_ptr, o_ptr, lse_ptr,
     n_rows, num_pages, width, qk_scale, row_mode_factor,
@@ -181,9 +304,6 @@ def _tiled_fwd(
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
-    M: tl.constexpr = T * GP
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < D
     k_head = k_ptr + h.to(tl.int64) * stride_kh
     v_head = v_ptr + h.to(tl.int64) * stride_vh
     row0 = tile * T
@@ -199,102 +319,20 @@ def _tiled_fwd(
         walk_union = count.to(tl.float32) <= row_mode_factor * row_pages.to(tl.float32)
 
     if walk_union:
-        offs_m = tl.arange(0, M)
-        t_m = offs_m // GP
-        g_m = offs_m % GP
-        n_m = row0 + t_m
-        m_ok = (n_m < n_rows) & (g_m < group)
-        heads = h * group + g_m
-        q = tl.load(
-            q_ptr + n_m.to(tl.int64)[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-            mask=m_ok[:, None] & d_ok[None, :], other=0.0,
-        )
-        offs_t = tl.arange(0, T)
-        n_t = row0 + offs_t
-        t_ok = n_t < n_rows
-        ctx_t = tl.load(ctx_ptr + h * stride_ch + n_t * stride_cn, mask=t_ok, other=0).to(tl.int32)
-        ctx_t = tl.minimum(tl.maximum(ctx_t, 0), width * PAGE)
-        offs_w = tl.arange(0, W_PAD)
-        used = (offs_w[None, :] * PAGE < ctx_t[:, None]) & (offs_w[None, :] < width)
-        bt_tile = tl.load(
-            bt_ptr + h.to(tl.int64) * stride_bh + n_t.to(tl.int64)[:, None] * stride_bn + offs_w[None, :] * stride_bw,
-            mask=used, other=-1,
-        ).to(tl.int32)
-        bt_tile = tl.where(used, bt_tile, -1)
-        full_slot = ((offs_w[None, :] + 1) * PAGE <= ctx_t[:, None]).to(tl.int32)  # [T, W_PAD]
-        part_slot = tl.where(used & (full_slot == 0), ctx_t[:, None] - offs_w[None, :] * PAGE, 0)
         union_row = union_ptr + h.to(tl.int64) * stride_uh + tile.to(tl.int64) * stride_ut
-
-        m_i = tl.full([M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([M], dtype=tl.float32)
-        acc = tl.zeros([M, D_PAD], dtype=tl.float32)
-        if INTERPRETED:
-            start = 0
-            while start < count:
-                m_i, l_i, acc = _tile_step(
-                    q, k_head, v_head, union_row, start, count, bt_tile, full_slot, part_slot, num_pages,
-                    qk_scale, m_i, l_i, acc, stride_kp, stride_kr, stride_vp, stride_vr,
-                    T, GP, D, D_PAD, PAGES, PAGE, DOT_PRECISION,
-                )
-                start += PAGES
-        else:
-            for start in range(0, count, PAGES):
-                m_i, l_i, acc = _tile_step(
-                    q, k_head, v_head, union_row, start, count, bt_tile, full_slot, part_slot, num_pages,
-                    qk_scale, m_i, l_i, acc, stride_kp, stride_kr, stride_vp, stride_vr,
-                    T, GP, D, D_PAD, PAGES, PAGE, DOT_PRECISION,
-                )
-        seen = l_i > 0
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        tl.store(
-            o_ptr + n_m.to(tl.int64)[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :],
+        _walk_union(
+            q_ptr, k_head, v_head, bt_ptr, ctx_ptr, o_ptr, lse_ptr, h, row0, n_rows, num_pages, width, qk_scale,
+            stride_qn, stride_qh, stride_qd, stride_kp, stride_kr, stride_vp, stride_vr,
+            stride_bh, stride_bn, stride_bw, stride_ch, stride_cn, stride_on, stride_oh, stride_ln, stride_lh, group,
+            union_row, count, T, GP, W_PAD, D, D_PAD, PAGES, PAGE, WRITE_LSE, DOT_PRECISION, INTERPRETED,
         )
-        if WRITE_LSE:
-            lse = tl.where(seen, m_i * _LN2 + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-            tl.store(lse_ptr + n_m.to(tl.int64) * stride_ln + heads * stride_lh, lse, mask=m_ok)
     else:
-        offs_g = tl.arange(0, GP16)
-        g_ok = offs_g < group
-        heads = h * group + offs_g
-        for t in tl.static_range(T):
-            n = row0 + t
-            if n < n_rows:
-                q = tl.load(
-                    q_ptr + n.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0,
-                )
-                ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn).to(tl.int32)
-                ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE)
-                bt_row = bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn
-                m_r = tl.full([GP16], float("-inf"), dtype=tl.float32)
-                l_r = tl.zeros([GP16], dtype=tl.float32)
-                acc_r = tl.zeros([GP16, D_PAD], dtype=tl.float32)
-                if INTERPRETED:
-                    start = 0
-                    while start < ctx:
-                        m_r, l_r, acc_r = _row_step(
-                            q, k_head, v_head, bt_row, start, ctx, num_pages, qk_scale, m_r, l_r, acc_r,
-                            stride_kp, stride_kr, stride_vp, stride_vr, stride_bw,
-                            D, D_PAD, ROW_BLOCK_N, PAGE, DOT_PRECISION,
-                        )
-                        start += ROW_BLOCK_N
-                else:
-                    for start in range(0, ctx, ROW_BLOCK_N):
-                        m_r, l_r, acc_r = _row_step(
-                            q, k_head, v_head, bt_row, start, ctx, num_pages, qk_scale, m_r, l_r, acc_r,
-                            stride_kp, stride_kr, stride_vp, stride_vr, stride_bw,
-                            D, D_PAD, ROW_BLOCK_N, PAGE, DOT_PRECISION,
-                        )
-                seen = l_r > 0
-                out = acc_r / tl.where(seen, l_r, 1.0)[:, None]
-                tl.store(
-                    o_ptr + n.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
-                    out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :],
-                )
-                if WRITE_LSE:
-                    lse = tl.where(seen, m_r * _LN2 + tl.log(tl.where(seen, l_r, 1.0)), float("-inf"))
-                    tl.store(lse_ptr + n.to(tl.int64) * stride_ln + heads * stride_lh, lse, mask=g_ok)
+        _walk_rows(
+            q_ptr, k_head, v_head, bt_ptr, ctx_ptr, o_ptr, lse_ptr, h, row0, n_rows, num_pages, width, qk_scale,
+            stride_qn, stride_qh, stride_qd, stride_kp, stride_kr, stride_vp, stride_vr,
+            stride_bh, stride_bn, stride_bw, stride_ch, stride_cn, stride_on, stride_oh, stride_ln, stride_lh, group,
+            T, GP16, D, D_PAD, ROW_BLOCK_N, PAGE, WRITE_LSE, DOT_PRECISION, INTERPRETED,
+        )
 
 
 def tiled_config(n_rows: int, hq: int, hkv: int, d: int, width: int, device: torch.device) -> dict:
