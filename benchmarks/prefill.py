@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import mm3lab
+from mm3lab.attention import tiled
 from mm3lab.constants import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, SPARSE_BLOCK_SIZE
 from mm3lab.testing import relative_error
 
@@ -119,6 +120,7 @@ def _prefill_records(ctx: Context, kind: str, chunk: int, context: int, dense: t
 
     p = prefill_problem(kind, chunk, context)
     args = (p["q"], p["cache"].k_cache, p["cache"].v_cache, p["sparse_bt"], p["sparse_ctx"])
+    share = float(tiled.neighbour_share(p["sparse_bt"], p["sparse_ctx"]))
     with mm3lab.validation(False):
         out = mm3lab.sparse_attention(*args)
         ms = bench(lambda: mm3lab.sparse_attention(*args))
@@ -145,7 +147,8 @@ def _prefill_records(ctx: Context, kind: str, chunk: int, context: int, dense: t
              "head_dim": HEAD_DIM, "topk": TOPK, "dtype": "bf16", "selection": kind,
              "tile_density": round(tile_density(p["topk_idx"], p["pos"]), 3)}
     common = {"mode": "eager", "validation": False, "fallback": None, "cv": None, "samples": None,
-              "algorithm": mm3lab.attention.choose_algorithm(chunk), "attended_TFLOPs": round(tflops, 2),
+              "algorithm": mm3lab.attention.choose_algorithm(chunk, share=share), "neighbour_share": round(share, 3),
+              "attended_TFLOPs": round(tflops, 2),
               "flops_ratio": round(tflops / dense_tflops, 3), "ms_validation_on": round(ms_validation_on, 6)}
     ctx.add("attention_prefill", shape, ms, "flex_attention", flex_ms, None, mask_build_ms=round(mask_ms, 6),
             baseline_rel_error=round(flex_err, 5), baseline_TFLOPs=round(useful / (flex_ms * 1e-3) / 1e12, 2),

@@ -194,12 +194,23 @@ def test_raw_page_lists_with_repeats(device, tile_mode):
 
 
 def test_dispatch_rule():
+    from mm3lab.attention import TILED_MIN_ROWS, TILED_MIN_SHARE
+
     assert choose_algorithm(1) == "rows"
-    assert choose_algorithm(mm3lab.attention.TILED_MIN_ROWS) == "tiled"
-    assert choose_algorithm(mm3lab.attention.TILED_MIN_ROWS - 1) == "rows"
+    assert choose_algorithm(TILED_MIN_ROWS - 1, share=1.0) == "rows"  # decode / spec decode batches
+    assert choose_algorithm(TILED_MIN_ROWS, share=TILED_MIN_SHARE) == "tiled"
+    assert choose_algorithm(TILED_MIN_ROWS, share=lambda: 0.1) == "rows"  # independent random selections
     assert choose_algorithm(1, "tiled") == "tiled"
     with pytest.raises(ValueError, match="algorithm"):
         choose_algorithm(1, "flash")
+
+
+def test_neighbour_share():
+    blocks = torch.tensor([[[3, 5], [5, 3], [7, 9], [7, 9]]], dtype=torch.int32)  # slot starts, 1 head, 4 rows
+    bt = (blocks.repeat_interleave(8, -1) * 8 + torch.arange(8).repeat(2)).to(torch.int32)
+    ctx = torch.tensor([[256, 256, 256, 100]], dtype=torch.int32)  # the last row uses its first slot only
+    # row 1 shares 2 of 2, row 2 0 of 2, row 3 1 of 1
+    assert abs(float(tiled.neighbour_share(bt, ctx)) - 3 / 5) < 1e-6
 
 
 def test_tile_unions_lists_distinct_used_pages():
