@@ -32,44 +32,12 @@ import mm3lab
 from mm3lab.attention import tiled
 from mm3lab.constants import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, SPARSE_BLOCK_SIZE
 from mm3lab.testing import relative_error
+from mm3lab.viz.prefill import SELECTIONS, selection_scores
 
 from .common import Context, bench
 
 TOPK = 16
 DT = torch.bfloat16
-SELECTIONS = ("random", "tile", "synthetic")
-
-
-def selection_scores(kind: str, chunk: int, context: int, *, hkv: int = NUM_KV_HEADS, seed: int = 1,
-                     device="cuda") -> torch.Tensor:
-    """``[Hkv, chunk, blocks]`` block scores of the chunk's rows (the last ``chunk`` positions)."""
-    g = torch.Generator().manual_seed(seed)
-    nblocks = context // SPARSE_BLOCK_SIZE
-    pos = torch.arange(context - chunk, context)
-    blk = torch.arange(nblocks)
-    self_blk = pos // SPARSE_BLOCK_SIZE
-    if kind == "random":
-        scores = torch.rand(hkv, chunk, nblocks, generator=g)
-    elif kind == "tile":
-        tiles = -(-chunk // SPARSE_BLOCK_SIZE)
-        scores = torch.rand(hkv, tiles, nblocks, generator=g).repeat_interleave(SPARSE_BLOCK_SIZE, 1)[:, :chunk]
-    elif kind == "synthetic":
-        dist = (self_blk[:, None] - blk[None, :]).clamp(min=0).float()
-        scores = 2.0 * torch.exp(-dist / 3.0).expand(hkv, chunk, nblocks).clone()  # recency
-        scores[..., 0] += 3.0  # sink
-        needles = torch.randint(1, nblocks - chunk // SPARSE_BLOCK_SIZE, (hkv, 2), generator=g)
-        scores.scatter_add_(2, needles[:, None, :].expand(hkv, chunk, 2), torch.full((hkv, chunk, 2), 2.5))
-        tiles = -(-chunk // SPARSE_BLOCK_SIZE)  # content noise that drifts along the chunk, plus per-token jitter
-        drift = torch.rand(hkv, tiles + 1, nblocks, generator=g)
-        w = (torch.arange(chunk) % SPARSE_BLOCK_SIZE / SPARSE_BLOCK_SIZE).view(1, -1, 1)
-        idx = torch.arange(chunk) // SPARSE_BLOCK_SIZE
-        scores += 0.8 * ((1 - w) * drift[:, idx] + w * drift[:, idx + 1])
-        scores += 0.1 * torch.rand(hkv, chunk, nblocks, generator=g)
-    else:
-        raise ValueError(f"selection: expected one of {SELECTIONS}, got {kind!r}")
-    scores = scores.masked_fill(blk[None, None, :] > self_blk[None, :, None], -1.0)
-    scores.scatter_(2, self_blk.view(1, -1, 1).expand(hkv, -1, 1), 10.0)  # the forced local block
-    return scores.to(device)
 
 
 def prefill_problem(kind: str, chunk: int = 4096, context: int = 32 * 1024, device="cuda", seed: int = 1):

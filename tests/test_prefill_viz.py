@@ -47,3 +47,17 @@ def test_figure_draws_both_panels():
     fig = prefill.plot_prefill_tiles(topk, pos, tile=2)
     gids = {a.get_gid() for ax in fig.axes for a in ax.get_children()}
     assert {"tile-counts", "bytes-per-token", "bytes-tiled"} <= gids
+
+
+def test_example_selections_and_text():
+    shares = {}
+    for kind in prefill.SELECTIONS:
+        topk, pos = prefill.example_selection(kind, chunk=256, context=4096, hkv=2)
+        assert topk.shape == (2, 256, 16)
+        assert (topk.long() <= (pos // 128)[None, :, None]).all()  # causal: the scores rule out later blocks
+        assert (topk == (pos // 128).view(1, -1, 1).to(torch.int32)).any(-1).all()  # the own block always
+        per_token, tiled = prefill.bytes_per_tile(topk, pos)
+        shares[kind] = per_token.sum() / tiled.sum()
+    assert shares["tile"] > shares["synthetic"] > shares["random"] >= 1
+    text = prefill.bytes_text(*prefill.example_selection("tile", chunk=256, context=4096, hkv=1))
+    assert text.startswith("K+V read by the chunk: per-token kernel") and "x less" in text

@@ -10,7 +10,8 @@
 
 Counts come from the selection alone (no kernel runs), so the picture is the same on
 any machine. Artists carry a ``gid`` (``"tile-counts"``, ``"bytes-per-token"``,
-``"bytes-tiled"``) so tests can find them.
+``"bytes-tiled"``) so tests can find them. :func:`selection_scores` and
+:func:`example_selection` draw the benchmark's three selection workloads.
 """
 
 from __future__ import annotations
@@ -21,7 +22,72 @@ from matplotlib.figure import Figure
 
 from ..constants import SPARSE_BLOCK_SIZE
 
-__all__ = ["bytes_per_tile", "plot_prefill_tiles", "tile_block_counts", "visible_tokens"]
+__all__ = [
+    "SELECTIONS", "bytes_per_tile", "bytes_text", "example_selection", "plot_prefill_tiles", "selection_scores",
+    "tile_block_counts", "visible_tokens",
+]
+
+SELECTIONS = ("random", "tile", "synthetic")
+"""Selection workloads of :func:`selection_scores` (and of the prefill benchmark)."""
+
+
+def selection_scores(kind: str, chunk: int, context: int, *, hkv: int = 4, seed: int = 1,
+                     device="cpu") -> torch.Tensor:
+    """``[Hkv, chunk, blocks]`` block scores of a prefill chunk's rows (the last ``chunk`` positions).
+
+    ``kind`` (:data:`SELECTIONS`): ``"random"`` independent per row; ``"tile"`` one draw per
+    128-row tile, shared by its rows; ``"synthetic"`` sink (block 0) + two needle blocks per
+    head + recency, plus content noise drifting along the chunk and a little per-row jitter
+    (the structure of :mod:`mm3lab.synthetic`'s patterns). Every row's own block scores
+    highest; blocks past it score -1. Drawn on the CPU from one seeded generator.
+    """
+    g = torch.Generator().manual_seed(seed)
+    nblocks = context // SPARSE_BLOCK_SIZE
+    pos = torch.arange(context - chunk, context)
+    blk = torch.arange(nblocks)
+    self_blk = pos // SPARSE_BLOCK_SIZE
+    if kind == "random":
+        scores = torch.rand(hkv, chunk, nblocks, generator=g)
+    elif kind == "tile":
+        tiles = -(-chunk // SPARSE_BLOCK_SIZE)
+        scores = torch.rand(hkv, tiles, nblocks, generator=g).repeat_interleave(SPARSE_BLOCK_SIZE, 1)[:, :chunk]
+    elif kind == "synthetic":
+        dist = (self_blk[:, None] - blk[None, :]).clamp(min=0).float()
+        scores = 2.0 * torch.exp(-dist / 3.0).expand(hkv, chunk, nblocks).clone()  # recency
+        scores[..., 0] += 3.0  # sink
+        needles = torch.randint(1, nblocks - chunk // SPARSE_BLOCK_SIZE, (hkv, 2), generator=g)
+        scores.scatter_add_(2, needles[:, None, :].expand(hkv, chunk, 2), torch.full((hkv, chunk, 2), 2.5))
+        tiles = -(-chunk // SPARSE_BLOCK_SIZE)  # content noise that drifts along the chunk, plus per-token jitter
+        drift = torch.rand(hkv, tiles + 1, nblocks, generator=g)
+        w = (torch.arange(chunk) % SPARSE_BLOCK_SIZE / SPARSE_BLOCK_SIZE).view(1, -1, 1)
+        idx = torch.arange(chunk) // SPARSE_BLOCK_SIZE
+        scores += 0.8 * ((1 - w) * drift[:, idx] + w * drift[:, idx + 1])
+        scores += 0.1 * torch.rand(hkv, chunk, nblocks, generator=g)
+    else:
+        raise ValueError(f"selection: expected one of {SELECTIONS}, got {kind!r}")
+    scores = scores.masked_fill(blk[None, None, :] > self_blk[None, :, None], -1.0)
+    scores.scatter_(2, self_blk.view(1, -1, 1).expand(hkv, -1, 1), 10.0)  # the forced local block
+    return scores.to(device)
+
+
+def example_selection(kind: str = "synthetic", chunk: int = 1024, context: int = 8192, *, topk: int = 16,
+                      hkv: int = 4, seed: int = 1):
+    """``(topk_idx [Hkv, chunk, topk] int32, query_abs_pos [chunk])`` of a chunk ending at ``context``."""
+    topk_idx = selection_scores(kind, chunk, context, hkv=hkv, seed=seed).topk(topk, dim=-1).indices
+    return topk_idx.to(torch.int32), torch.arange(context - chunk, context)
+
+
+def bytes_text(topk_idx: torch.Tensor, query_abs_pos: torch.Tensor, tile: int = SPARSE_BLOCK_SIZE,
+               head_dim: int = 128, elem_bytes: int = 2) -> str:
+    """K + V bytes the chunk reads, all KV heads, per-token against tiled (exact integers, in MB)."""
+    per_token = tiled = 0
+    for h in range(topk_idx.shape[0]):
+        p, t = bytes_per_tile(topk_idx, query_abs_pos, h, tile, head_dim, elem_bytes)
+        per_token, tiled = per_token + int(p.sum()), tiled + int(t.sum())
+    return (f"K+V read by the chunk: per-token kernel {per_token / 1e6:.1f} MB, tiled kernel "
+            f"({tile}-row tiles) {tiled / 1e6:.1f} MB, {per_token / max(tiled, 1):.2f}x less")
+
+
 
 
 def visible_tokens(topk_idx: torch.Tensor, query_abs_pos: torch.Tensor, head: int = 0) -> np.ndarray:
