@@ -32,6 +32,7 @@ from mm3lab.testing import relative_error
 
 from . import baselines
 from .common import ROTATE_BYTES, Context, Timing, fallback_reason, num_sets, time_replay
+from .prefill import run_prefill  # noqa: F401  (a suite, named in SUITES)
 
 K128 = 128 * 1024
 
@@ -702,6 +703,7 @@ SUITES = {
     "index_cache": "run_index_cache",
     "msa_decode": "run_msa_decode",
     "msa_decode_stages": "run_msa_decode_stages",
+    "prefill": "run_prefill",
 }
 
 __all__ = ["SUITES", "Shapes", "dry_run_shapes", "model_shapes"]
