@@ -34,6 +34,8 @@ def sparse_attention(
     *,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """Sparse paged attention of every (row, KV head) over its page list (SPEC section 5).
 
@@ -58,14 +60,21 @@ def sparse_attention(
         scale: softmax scale, default ``D ** -0.5``.
         return_lse: also return the natural-log log-sum-exp of the scaled scores.
         out: optional ``[N, Hq, D]`` contiguous buffer in q's dtype.
+        k_scale, v_scale: FP8 caches only (``PagedKVCache.k_scale`` / ``.v_scale``, ``[pages, 16, Hkv]``
+            float32). The kernel reads the FP8 K/V and dequantizes them in registers: the K
+            scale multiplies each score column (float32), each V row is scaled in float32 and
+            rounded to q's dtype for the second dot. Tolerance: :data:`mm3lab.fp8.ATTENTION_FP8_ATOL` against the
+            bf16 reference over the unquantized K/V, :data:`mm3lab.fp8.ATTENTION_FP8_DEQUANT_ATOL`
+            against the reference over the dequantized cache.
     Returns:
         ``out [N, Hq, D]`` in q's dtype, or ``(out, lse [N, Hq] float32)``.
     """
-    _, scale = check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out)
+    _, scale = check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, k_scale, v_scale)
     interpreted_bf16 = backend.INTERPRETER and q.dtype == torch.bfloat16
     if not backend.use_kernel(q, k_cache, sparse_bt) or interpreted_bf16:
         return reference.sparse_attention(
-            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=return_lse, out=out
+            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=return_lse, out=out,
+            k_scale=k_scale, v_scale=v_scale,
         )
     from .kernel import sparse_attention_kernel
 
@@ -74,5 +83,5 @@ def sparse_attention(
         out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(n, hq, dtype=torch.float32, device=q.device) if return_lse else None
     if n:
-        sparse_attention_kernel(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, lse)
+        sparse_attention_kernel(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, lse, k_scale, v_scale)
     return (out, lse) if return_lse else out
