@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     if job == "test":
         env.setdefault("MPLBACKEND", "Agg")
         return subprocess.run([PY, "-m", "pytest", *PYTEST_ARGS, *rest], cwd=ROOT, env=env).returncode
-    if job in ("tour", "lab", "info", "explain", "bench"):
+    if job in ("tour", "lab", "info", "explain"):
         return subprocess.run([BIN / "mm3lab", job, *rest], cwd=ROOT, env=env).returncode
     print(f"unknown job {job!r}\n{__doc__}", file=sys.stderr)
     return 2

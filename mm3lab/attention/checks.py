@@ -45,7 +45,7 @@ def check_sparse_attention(
     Raises ``TypeError``/``ValueError`` naming the argument (and the ``(head, row)``
     for value checks) before anything runs.
     """
-    stride = check_kv_views(k_cache, v_cache)
+    block_page_stride = check_kv_views(k_cache, v_cache)
     _, _, hkv, d = k_cache.shape
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     n, hq, dq = q.shape
@@ -93,7 +93,7 @@ def check_sparse_attention(
                 f"sparse_bt: (head {bad[0]}, row {bad[1]}) entry {bad[2]} is page {int(sparse_bt[bad])}, "
                 f"outside the cache's {pages} readable pages"
             )
-        if stride == PACKED_STRIDE:
+        if block_page_stride == PACKED_STRIDE:
             bad = _first(used & (sparse_bt % PACKED_STRIDE >= PAGES_PER_SPARSE_BLOCK))
             if bad is not None:
                 raise ValueError(
@@ -101,4 +101,4 @@ def check_sparse_attention(
                     f"which in the packed layout is not a K page (ids are block * {PACKED_STRIDE} + j, "
                     f"j < {PAGES_PER_SPARSE_BLOCK}); was the table built with block_page_stride={PACKED_STRIDE}?"
                 )
-    return stride, scale
+    return block_page_stride, scale

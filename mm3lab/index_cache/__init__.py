@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import backend
-from .._checks import FLOAT_DTYPES
+from .._checks import FLOAT_DTYPES, check_int
 from ..constants import SPARSE_BLOCK_SIZE
 from ..fp8 import FP8_DTYPE
 from . import reference
@@ -47,9 +47,8 @@ def allocate_index_cache(
     float32 scales are a separate ``[num_blocks, 128]`` tensor, :func:`allocate_index_scale`,
     passed as ``index_scale=`` to the insert and to every indexer entry point.
     """
-    for name, value in (("num_blocks", num_blocks), ("index_dim", index_dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    check_int("num_blocks", num_blocks, minimum=1)
+    check_int("index_dim", index_dim, minimum=1)
     if dtype not in FLOAT_DTYPES and dtype != FP8_DTYPE:
         raise TypeError(f"dtype: expected float32, float16, bfloat16 or float8_e4m3fn, got {dtype}")
     cache = torch.empty(num_blocks, SPARSE_BLOCK_SIZE, index_dim, dtype=dtype, device=device)

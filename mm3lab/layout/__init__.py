@@ -133,7 +133,7 @@ def write_kv_page16(
             float32): each (token, KV head) vector is quantized, ``scale = amax(|x|) / 448`` (1 for
             zeros), stored ``x / scale`` in e4m3 (SPEC section 9); kernel and reference store the same bits.
     """
-    stride = check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    block_page_stride = check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if key.shape[0] == 0:
         return
     if backend.use_kernel(key, k_cache):
@@ -141,6 +141,6 @@ def write_kv_page16(
 
         if k_scale is not None and backend.INTERPRETER:
             key, value = key.float(), value.float()  # exact; the interpreter's bfloat16 arithmetic is not
-        write_kv_page16_kernel(key, value, k_cache, v_cache, slot_mapping, stride, k_scale, v_scale)
+        write_kv_page16_kernel(key, value, k_cache, v_cache, slot_mapping, block_page_stride, k_scale, v_scale)
     else:
         reference.write_kv_page16(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
