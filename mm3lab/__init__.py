@@ -48,7 +48,7 @@ from .block_table import (  # noqa: E402
     plan_sparse_row,
 )
 # --- index cache and indexer (SPEC section 2, steps 1-3) ---
-from .index_cache import allocate_index_cache, insert_index_cache, token_slots  # noqa: E402
+from .index_cache import allocate_index_cache, allocate_index_scale, insert_index_cache, token_slots  # noqa: E402
 from .indexer import (  # noqa: E402
     index_scores_decode,
     index_scores_prefill,

@@ -74,6 +74,8 @@ def sparse_attention(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     algorithm: str | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """Sparse paged attention of every (row, KV head) over its page list (SPEC section 5).
 
@@ -102,16 +104,23 @@ def sparse_attention(
             :data:`TILED_MIN_ROWS` rows, tiled above it when neighbouring rows share their blocks), ``"rows"`` (one program per row and KV head) or ``"tiled"`` (one
             program per tile of consecutive rows and KV head, each union page read once per
             tile). All give the same result to floating-point tolerance.
+        k_scale, v_scale: FP8 caches only (``PagedKVCache.k_scale`` / ``.v_scale``, ``[pages, 16, Hkv]``
+            float32). The kernel reads the FP8 K/V and dequantizes them in registers: the K
+            scale multiplies each score column (float32), each V row is scaled in float32 and
+            rounded to q's dtype for the second dot. Tolerance: :data:`mm3lab.fp8.ATTENTION_FP8_ATOL` against the
+            bf16 reference over the unquantized K/V, :data:`mm3lab.fp8.ATTENTION_FP8_DEQUANT_ATOL`
+            against the reference over the dequantized cache.
     Returns:
         ``out [N, Hq, D]`` in q's dtype, or ``(out, lse [N, Hq] float32)``.
     """
-    _, scale = check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out)
+    _, scale = check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, k_scale, v_scale)
     if algorithm is not None:
         choose_algorithm(q.shape[0], algorithm)  # a bad name raises on every path
     interpreted_bf16 = backend.INTERPRETER and q.dtype == torch.bfloat16
     if not backend.use_kernel(q, k_cache, sparse_bt) or interpreted_bf16:
         return reference.sparse_attention(
-            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=return_lse, out=out
+            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=return_lse, out=out,
+            k_scale=k_scale, v_scale=v_scale,
         )
     from . import tiled
     from .kernel import sparse_attention_kernel
@@ -124,8 +133,9 @@ def sparse_attention(
     def share() -> float:  # read back only when the rule needs it
         return float(tiled.neighbour_share(sparse_bt, sparse_ctx))
 
-    if n and choose_algorithm(n, algorithm, share) == "tiled":
+    fp8 = k_scale is not None  # FP8 caches: the per-row kernel (the tiled kernel reads bf16/fp16 pages)
+    if n and not fp8 and choose_algorithm(n, algorithm, share) == "tiled":
         tiled.tiled_attention_kernel(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, lse)
     elif n:
-        sparse_attention_kernel(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, lse)
+        sparse_attention_kernel(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, lse, k_scale, v_scale)
     return (out, lse) if return_lse else out

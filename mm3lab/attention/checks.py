@@ -19,7 +19,8 @@ from .._checks import (
     validation_enabled,
 )
 from ..constants import PAGE_SIZE, PAGES_PER_SPARSE_BLOCK
-from ..layout.views import PACKED_STRIDE, check_kv_views
+from ..fp8 import FP8_DTYPE
+from ..layout.views import PACKED_STRIDE, check_kv_scales, check_kv_views
 
 
 def readable_pages(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -37,7 +38,9 @@ def _first(mask: torch.Tensor):
     return None if idx.numel() == 0 else tuple(int(i) for i in idx[0])
 
 
-def check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out=None) -> tuple[int, float]:
+def check_sparse_attention(
+    q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out=None, k_scale=None, v_scale=None
+) -> tuple[int, float]:
     """Validate ``sparse_attention``'s arguments; return ``(block_page_stride, scale)``.
 
     Raises ``TypeError``/``ValueError`` naming the argument (and the ``(head, row)``
@@ -47,7 +50,8 @@ def check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, ou
     _, _, hkv, d = k_cache.shape
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     n, hq, dq = q.shape
-    if q.dtype != k_cache.dtype:
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)  # FP8 KV (SPEC section 9): any float q
+    if q.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE:
         raise TypeError(f"q: dtype {str(q.dtype).replace('torch.', '')} differs from k_cache's "
                         f"{str(k_cache.dtype).replace('torch.', '')}")
     if dq != d:

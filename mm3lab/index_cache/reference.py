@@ -15,24 +15,38 @@ from __future__ import annotations
 import torch
 
 from ..constants import SPARSE_BLOCK_SIZE
+from ..fp8 import quantize
 from .checks import check_insert_index_cache, check_token_slots, index_cache_slots
 
 
-def insert_index_cache(index_k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def insert_index_cache(
+    index_k: torch.Tensor,
+    index_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    index_scale: torch.Tensor | None = None,
+) -> None:
     """Write each token's index key to its slot, in place.
 
     Args:
-        index_k: ``[N, Di]`` index keys, the cache's dtype.
+        index_k: ``[N, Di]`` index keys, the cache's dtype (any float dtype for an FP8 cache).
         index_cache: ``[num_blocks, 128, Di]``.
         slot_mapping: ``[N]`` int32/int64 slots ``block * 128 + offset``; negative = padding.
+        index_scale: ``[num_blocks, 128]`` float32 for an FP8 cache (SPEC section 9): the key is
+            stored as ``k / scale`` in e4m3 with ``scale = amax(|k|) / 448`` (1 for a zero key).
     """
-    check_insert_index_cache(index_k, index_cache, slot_mapping)
+    check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale)
     capacity = index_cache_slots(index_cache)
     for n, slot in enumerate(slot_mapping.tolist()):
         if slot < 0 or slot >= capacity:  # padding; a slot past the cache is never written
             continue
         block, offset = divmod(slot, SPARSE_BLOCK_SIZE)
-        index_cache[block, offset] = index_k[n]
+        if index_scale is None:
+            index_cache[block, offset] = index_k[n]
+        else:
+            values, scale = quantize(index_k[n])
+            index_cache[block, offset] = values
+            index_scale[block, offset] = scale
 
 
 def token_slots(block_table: torch.Tensor, query_req_id: torch.Tensor, query_abs_pos: torch.Tensor) -> torch.Tensor:

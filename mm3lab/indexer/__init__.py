@@ -30,6 +30,13 @@ table). float32/float16 run the kernels on every backend; bfloat16 runs them
 where compiled (CUDA) and the PyTorch reference on the interpreter backend,
 whose bfloat16 arithmetic is inexact. float32 with more than 16 index heads also
 takes the PyTorch path on a GPU (the exact float32 dot is kept to 16-lane tiles).
+**FP8 keys** (SPEC section 9): an index cache of ``float8_e4m3fn`` keys takes its
+per-token float32 scales as ``index_scale=`` (:func:`mm3lab.allocate_index_scale`)
+on every entry point; ``index_q`` stays float32/float16/bfloat16. The kernel
+rounds each (row, head) query to a two-term FP8 pair, scores with FP8 ``tl.dot``,
+and multiplies every dot by its token's scale before the block max; the reference
+dequantizes the keys and applies the rule above. Scores agree within
+:data:`mm3lab.fp8.INDEX_SCORE_FP8_RTOL`, selected ids except at near ties.
 Value checks (validation on, the default) cost one device sync; see
 :mod:`mm3lab.indexer.checks` for what they reject and the fallback with validation off.
 """
@@ -43,6 +50,7 @@ import logging
 from .. import backend
 from ..block_table import MAX_KERNEL_TOPK
 from ..constants import PAGES_PER_SPARSE_BLOCK
+from ..fp8 import FP8_DTYPE
 from . import reference
 from .checks import NO_TOPK, check_block_page_stride, check_decode, check_prefill, check_topk_scores
 from .reference import candidate_blocks, force_scores, select_topk
@@ -70,21 +78,26 @@ def _log_once(message: str) -> None:
         logging.getLogger("mm3lab").info(message)
 
 
-def _use_kernel(index_q, *tensors) -> bool:
+def _use_kernel(index_q, index_cache, *tensors) -> bool:
+    if index_cache.dtype == FP8_DTYPE:  # FP8 keys: the kernel rounds index_q to FP8 itself, from any float dtype
+        return backend.use_kernel(index_q, index_cache, *tensors)
     interpreted_bf16 = backend.INTERPRETER and index_q.dtype == torch.bfloat16
     # float32 tiles are kept at 16 lanes (see kernel.index_scores_kernel); more than 16 index
     # heads would need wider ones, so such float32 calls take the PyTorch path on a GPU.
     wide_fp32 = index_q.dtype == torch.float32 and index_q.shape[1] > 16 and not backend.INTERPRETER
-    return backend.use_kernel(index_q, *tensors) and not interpreted_bf16 and not wide_fp32
+    return backend.use_kernel(index_q, index_cache, *tensors) and not interpreted_bf16 and not wide_fp32
 
 
-def _scores(index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced):
+def _scores(index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced, *, index_scale):
     from .kernel import index_scores_kernel
 
     n, h, _ = index_q.shape
+    if index_scale is not None and backend.INTERPRETER and index_q.dtype == torch.bfloat16:
+        index_q = index_q.float()  # exact; the interpreter's bfloat16 arithmetic is not
     scores = torch.empty(h, n, block_table.shape[1], dtype=torch.float32, device=index_q.device)
     index_scores_kernel(
-        index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced, scores
+        index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced, scores,
+        index_scale=index_scale,
     )
     return scores
 
@@ -128,6 +141,8 @@ def index_scores_decode(
     init_blocks: int = 0,
     local_blocks: int = 1,
     forced: bool = False,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block scores of decode rows (SPEC section 2, step 2), one launch.
 
@@ -150,14 +165,16 @@ def index_scores_decode(
     Raises:
         TypeError / ValueError: see :func:`index_topk_decode`.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks)
+    check_decode(index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks, index_scale)
     if not _use_kernel(index_q, index_cache, block_table, seq_lens):
         return reference.index_scores_decode(
-            index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, forced
+            index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, forced,
+            index_scale=index_scale,
         )
     return _scores(
         index_q, index_cache, block_table, seq_lens, seq_lens, decode_query_len, False, init_blocks, local_blocks,
         bool(forced),
+        index_scale=index_scale,
     )
 
 
@@ -170,6 +187,8 @@ def index_scores_prefill(
     init_blocks: int = 0,
     local_blocks: int = 1,
     forced: bool = False,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block scores of prefill rows (each with its own request and position), one launch.
 
@@ -178,14 +197,16 @@ def index_scores_prefill(
     Returns:
         ``[H, N, M]`` float32, ``-inf`` at non-candidates.
     """
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks)
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks, index_scale)
     if not _use_kernel(index_q, index_cache, block_table, query_req_id, query_abs_pos):
         return reference.index_scores_prefill(
-            index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, forced
+            index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, forced,
+            index_scale=index_scale,
         )
     return _scores(
         index_q, index_cache, block_table, query_req_id, query_abs_pos, 1, True, init_blocks, local_blocks,
         bool(forced),
+        index_scale=index_scale,
     )
 
 
@@ -198,6 +219,8 @@ def index_topk_decode(
     decode_query_len: int = 1,
     init_blocks: int = 0,
     local_blocks: int = 1,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The blocks each decode row attends (SPEC section 2, steps 2-3): scores, forcing, top-k.
 
@@ -222,13 +245,15 @@ def index_topk_decode(
             (names ``seq_lens`` and the request) or a used block table entry outside the
             cache (names ``block_table``, the request and the block).
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks)
+    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale)
     if not _use_kernel(index_q, index_cache, block_table, seq_lens):
         return reference.index_topk_decode(
-            index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks
+            index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
+            index_scale=index_scale,
         )
     scores = _scores(
-        index_q, index_cache, block_table, seq_lens, seq_lens, decode_query_len, False, init_blocks, local_blocks, True
+        index_q, index_cache, block_table, seq_lens, seq_lens, decode_query_len, False, init_blocks, local_blocks, True,
+        index_scale=index_scale,
     )
     return _topk(scores, topk, seq_lens, seq_lens, block_table.shape[0], decode_query_len, False)
 
@@ -242,6 +267,8 @@ def index_topk_prefill(
     topk: int,
     init_blocks: int = 0,
     local_blocks: int = 1,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The blocks each prefill row attends; arguments as :func:`index_topk_decode` with
     ``query_req_id [N]`` / ``query_abs_pos [N]`` instead of ``seq_lens``.
@@ -250,13 +277,15 @@ def index_topk_prefill(
     ``[0, B)`` on a row that is not padded (names ``query_req_id`` and the row) or a
     position ``>= M * 128`` (names ``query_abs_pos``).
     """
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks)
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale)
     if not _use_kernel(index_q, index_cache, block_table, query_req_id, query_abs_pos):
         return reference.index_topk_prefill(
-            index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks
+            index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks,
+            index_scale=index_scale,
         )
     scores = _scores(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, 1, True, init_blocks, local_blocks, True
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, 1, True, init_blocks, local_blocks, True,
+        index_scale=index_scale,
     )
     return _topk(scores, topk, query_req_id, query_abs_pos, block_table.shape[0], 1, True)
 
@@ -271,6 +300,8 @@ def index_topk_block_table_decode(
     init_blocks: int = 0,
     local_blocks: int = 1,
     block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`index_topk_decode` fused with :func:`mm3lab.build_sparse_block_table_decode`.
 
@@ -283,15 +314,17 @@ def index_topk_block_table_decode(
     Returns:
         ``(topk_idx [H, N, topk], sparse_bt [H, N, topk * 8], sparse_ctx [H, N])``, int32, contiguous.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks)
+    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale)
     check_block_page_stride(block_page_stride)
     if not _use_kernel(index_q, index_cache, block_table, seq_lens):
         return reference.index_topk_block_table_decode(
             index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
             block_page_stride,
+            index_scale=index_scale,
         )
     scores = _scores(
-        index_q, index_cache, block_table, seq_lens, seq_lens, decode_query_len, False, init_blocks, local_blocks, True
+        index_q, index_cache, block_table, seq_lens, seq_lens, decode_query_len, False, init_blocks, local_blocks, True,
+        index_scale=index_scale,
     )
     return _topk(
         scores, topk, seq_lens, seq_lens, block_table.shape[0], decode_query_len, False, block_table, block_page_stride
@@ -308,18 +341,22 @@ def index_topk_block_table_prefill(
     init_blocks: int = 0,
     local_blocks: int = 1,
     block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`index_topk_prefill` fused with :func:`mm3lab.build_sparse_block_table_prefill`
     (see :func:`index_topk_block_table_decode`)."""
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks)
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale)
     check_block_page_stride(block_page_stride)
     if not _use_kernel(index_q, index_cache, block_table, query_req_id, query_abs_pos):
         return reference.index_topk_block_table_prefill(
             index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks,
             block_page_stride,
+            index_scale=index_scale,
         )
     scores = _scores(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, 1, True, init_blocks, local_blocks, True
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, 1, True, init_blocks, local_blocks, True,
+        index_scale=index_scale,
     )
     return _topk(
         scores, topk, query_req_id, query_abs_pos, block_table.shape[0], 1, True, block_table, block_page_stride

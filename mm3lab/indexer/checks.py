@@ -31,7 +31,8 @@ from .._checks import (  # noqa: F401  (check_block_page_stride, check_int re-ex
 from .._checks import dtype_name as _dtype_name
 from .._checks import raise_first as _raise_first
 from ..constants import SPARSE_BLOCK_SIZE
-from ..index_cache.checks import check_index_cache
+from ..fp8 import FP8_DTYPE
+from ..index_cache.checks import check_index_cache, check_index_scale
 
 MAX_TOPK = 8192
 """Largest ``topk`` (SPEC: a context of up to 8192 blocks). Up to ``MAX_KERNEL_TOPK`` (512) the
@@ -59,7 +60,7 @@ def _check_common(index_q, index_cache, block_table, topk, init_blocks, local_bl
             f"index_q: head dim {index_q.shape[2]} does not match index_cache's head dim {di} "
             f"(index_q {tuple(index_q.shape)}, index_cache {tuple(index_cache.shape)})"
         )
-    if index_q.dtype != index_cache.dtype:
+    if index_q.dtype != index_cache.dtype and index_cache.dtype != FP8_DTYPE:  # FP8 keys: any float query
         raise TypeError(
             f"index_q: dtype {_dtype_name(index_q.dtype)} differs from index_cache's {_dtype_name(index_cache.dtype)}"
         )
@@ -133,9 +134,12 @@ def check_table_entries(block_table, req, pos, num_blocks: int, cache: str, seq_
     _raise_first(checks)
 
 
-def check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks):
+def check_decode(
+    index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale=None
+):
     """Validate a decode indexer call (``topk=NO_TOPK`` for the score entry points)."""
     _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks)
+    check_index_scale(index_cache, index_scale)  # FP8 keys (SPEC section 9)
     b, m = block_table.shape
     check_index("seq_lens", seq_lens, shape=(b,))
     dql = check_int("decode_query_len", decode_query_len, minimum=1)
@@ -163,9 +167,12 @@ def check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query
     ])
 
 
-def check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks):
+def check_prefill(
+    index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale=None
+):
     """Validate a prefill indexer call (``topk=NO_TOPK`` for the score entry points)."""
     _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks)
+    check_index_scale(index_cache, index_scale)  # FP8 keys (SPEC section 9)
     b, m = block_table.shape
     n = index_q.shape[0]
     check_index("query_req_id", query_req_id, shape=(n,))

@@ -25,6 +25,10 @@ validation off): a request id outside the block table makes the row padded,
 candidates stop at the block table's width ``M``, and a block whose physical id
 is outside the cache is never read (it stays a candidate, scoring ``-inf``).
 
+An FP8 index cache (``float8_e4m3fn`` keys with per-token float32 scales
+``index_scale``, SPEC section 9) is read as the keys it stands for,
+``key * scale``, in float32; the rule above is then unchanged.
+
 These functions have the same signatures as the entry points in
 :mod:`mm3lab.indexer` and are the specification those are tested against.
 """
@@ -38,6 +42,7 @@ import torch
 
 from ..block_table.reference import build_sparse_block_table_decode, build_sparse_block_table_prefill
 from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, RAW_SCORE_LIMIT, SPARSE_BLOCK_SIZE
+from ..fp8 import dequantize
 from .checks import NO_TOPK, check_block_page_stride, check_decode, check_prefill, check_topk_scores
 
 # --- one row, in the SPEC's words -----------------------------------------------------------
@@ -97,6 +102,13 @@ def block_score(index_q_row: torch.Tensor, index_k_block: torch.Tensor, visible:
 # --- the entry points ------------------------------------------------------------------------
 
 
+def _dequantized(index_q, index_cache, index_scale):
+    """An FP8 cache (SPEC section 9) as the float32 keys it stands for, ``key * scale``; other caches as given."""
+    if index_scale is None:
+        return index_q, index_cache
+    return index_q.float(), dequantize(index_cache, index_scale)
+
+
 def _decode_rows(seq_lens: torch.Tensor, decode_query_len: int) -> list[tuple[int, int]]:
     rows = []
     for r, seq_len in enumerate(seq_lens.tolist()):
@@ -154,6 +166,8 @@ def index_scores_decode(
     init_blocks: int = 0,
     local_blocks: int = 1,
     forced: bool = False,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block scores of decode rows (step 2).
 
@@ -168,7 +182,8 @@ def index_scores_decode(
     Returns:
         ``[H, N, M]`` float32; ``-inf`` for every non-candidate block.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks)
+    check_decode(index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks, index_scale)
+    index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _decode_rows(seq_lens, decode_query_len)
     return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
 
@@ -182,10 +197,13 @@ def index_scores_prefill(
     init_blocks: int = 0,
     local_blocks: int = 1,
     forced: bool = False,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block scores of prefill rows (step 2); arguments as :func:`index_scores_decode` except
     ``query_req_id [N]`` / ``query_abs_pos [N]`` (negative position = padded row)."""
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks)
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks, index_scale)
+    index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
     return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
 
@@ -199,12 +217,15 @@ def index_topk_decode(
     decode_query_len: int = 1,
     init_blocks: int = 0,
     local_blocks: int = 1,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Selected blocks of decode rows (steps 2-3): ``[H, N, topk]`` int32, ``-1`` padding.
 
     Args: as :func:`index_scores_decode`, plus ``topk``, the blocks selected per row.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks)
+    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale)
+    index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _decode_rows(seq_lens, decode_query_len)
     scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced=True)
     return _topk(scores, rows, topk)
@@ -219,9 +240,12 @@ def index_topk_prefill(
     topk: int,
     init_blocks: int = 0,
     local_blocks: int = 1,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Selected blocks of prefill rows (steps 2-3): ``[H, N, topk]`` int32, ``-1`` padding."""
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks)
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale)
+    index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
     scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced=True)
     return _topk(scores, rows, topk)
@@ -237,6 +261,8 @@ def index_topk_block_table_decode(
     init_blocks: int = 0,
     local_blocks: int = 1,
     block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`index_topk_decode`, then :func:`mm3lab.reference.build_sparse_block_table_decode` on its result.
 
@@ -245,7 +271,8 @@ def index_topk_block_table_decode(
     """
     check_block_page_stride(block_page_stride)
     topk_idx = index_topk_decode(
-        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks
+        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
+        index_scale=index_scale,
     )
     sparse_bt, sparse_ctx = build_sparse_block_table_decode(
         topk_idx, block_table, seq_lens, decode_query_len, block_page_stride
@@ -263,11 +290,14 @@ def index_topk_block_table_prefill(
     init_blocks: int = 0,
     local_blocks: int = 1,
     block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`index_topk_prefill`, then :func:`mm3lab.reference.build_sparse_block_table_prefill`."""
     check_block_page_stride(block_page_stride)
     topk_idx = index_topk_prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks,
+        index_scale=index_scale,
     )
     sparse_bt, sparse_ctx = build_sparse_block_table_prefill(
         topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride

@@ -14,7 +14,8 @@ from .._checks import (
     validation_enabled,
 )
 from ..constants import SPARSE_BLOCK_SIZE
-from .views import check_kv_views
+from ..fp8 import FP8_DTYPE
+from .views import check_kv_scales, check_kv_views
 
 
 def _check_doubles(name: str, t: torch.Tensor) -> None:
@@ -44,14 +45,17 @@ def check_rebase_slots(slots) -> None:
     _check_doubles("slots", slots)
 
 
-def check_write_kv(key, value, k_cache, v_cache, slot_mapping) -> int:
+def check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> int:
     """Validate ``write_kv_page16``'s arguments; return the views' ``block_page_stride``."""
     block_page_stride = check_kv_views(k_cache, v_cache)
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)  # FP8 (SPEC section 9)
     _, _, h, d = k_cache.shape
     check_tensor("key", key, ndim=3)
     n = key.shape[0]
-    check_tensor("key", key, shape=(n, h, d), dtypes=(k_cache.dtype,))
-    check_tensor("value", value, shape=(n, h, d), dtypes=(k_cache.dtype,))
+    # an FP8 cache quantizes keys/values of any float dtype
+    kv_dtypes = (torch.float32, torch.float16, torch.bfloat16) if k_cache.dtype == FP8_DTYPE else (k_cache.dtype,)
+    check_tensor("key", key, shape=(n, h, d), dtypes=kv_dtypes)
+    check_tensor("value", value, shape=(n, h, d), dtypes=kv_dtypes)
     check_index("slot_mapping", slot_mapping, shape=(n,))
     check_same_device(k_cache=k_cache, key=key, value=value, slot_mapping=slot_mapping)
     check_no_alias(k_cache=k_cache, v_cache=v_cache, inputs={"key": key, "value": value, "slot_mapping": slot_mapping})

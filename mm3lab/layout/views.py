@@ -20,6 +20,10 @@ from .._checks import (
     check_tensor,
 )
 from ..constants import PAGE16_SIDES_PER_BLOCK, PAGE_SIZE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
+from ..fp8 import FP8_DTYPE
+
+KV_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE)
+"""Cache dtypes: float32, float16, bfloat16, and float8_e4m3fn with per-(token, head) scales."""
 
 LAYOUTS = ("dense", "packed")
 MAX_PAGES = 2**31 - 1
@@ -55,12 +59,19 @@ class PagedKVCache:
         kv: ``[num_blocks, 2, 128, H, D]``, the logical page-128 tensor.
         k_cache, v_cache: ``[pages, 16, H, D]`` page-16 views of the K and V sides.
         layout: ``"dense"`` or ``"packed"``.
+        scale: FP8 caches only (else ``None``): ``[num_blocks, 2, 128, H]`` float32, one scale per
+            (token, KV head) and side, in the same memory order as ``kv``.
+        k_scale, v_scale: FP8 only: ``[pages, 16, H]`` page-16 views of ``scale``, the same page
+            ids as ``k_cache`` / ``v_cache`` (SPEC section 9).
     """
 
     kv: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     layout: str
+    scale: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -99,15 +110,18 @@ def allocate_kv_cache(
         num_blocks: physical 128-token blocks.
         num_kv_heads, head_dim: ``H`` and ``D``.
         layout: ``"dense"`` (side-major planes) or ``"packed"`` (block-major sides).
+        dtype: float32, float16, bfloat16, or ``torch.float8_e4m3fn`` (SPEC section 9: the cache
+            then also carries float32 scales, one per (token, KV head) and side, initialized to 1).
         fill: initial value (``None`` leaves memory uninitialized).
     Returns:
-        a :class:`PagedKVCache` whose ``kv`` has logical shape ``[num_blocks, 2, 128, H, D]``.
+        a :class:`PagedKVCache` whose ``kv`` has logical shape ``[num_blocks, 2, 128, H, D]``
+        (and, for FP8, ``scale`` / ``k_scale`` / ``v_scale``).
     """
     _check_layout(layout)
     for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         check_int(name, value, minimum=1)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+    if dtype not in KV_DTYPES:
+        raise TypeError(f"dtype: expected float32, float16, bfloat16 or float8_e4m3fn, got {dtype}")
     if fill is not None and (isinstance(fill, bool) or not isinstance(fill, (int, float))):
         raise TypeError(f"fill: expected a Python float or None, got {type(fill).__name__}")
     device = check_device("device", device)
@@ -124,7 +138,47 @@ def allocate_kv_cache(
     if fill is not None:
         kv.fill_(fill)
     k_cache, v_cache = page16_views(kv, layout)
-    return PagedKVCache(kv, k_cache, v_cache, layout)
+    if dtype != FP8_DTYPE:
+        return PagedKVCache(kv, k_cache, v_cache, layout)
+    if layout == "dense":
+        scale = torch.ones(2, num_blocks, SPARSE_BLOCK_SIZE, num_kv_heads, device=device).permute(1, 0, 2, 3)
+    else:
+        scale = torch.ones(num_blocks, 2, SPARSE_BLOCK_SIZE, num_kv_heads, device=device)
+    k_scale, v_scale = scale_page16_views(scale, layout)
+    return PagedKVCache(kv, k_cache, v_cache, layout, scale, k_scale, v_scale)
+
+
+def scale_page16_views(scale: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page-16 views ``(k_scale, v_scale)`` ``[pages, 16, H]`` of FP8 scales ``[num_blocks, 2, 128, H]``:
+    the same page ids as :func:`page16_views` gives ``k_cache`` / ``v_cache`` in that layout."""
+    _check_layout(layout)
+    nb, _, _, h = scale.shape
+    if layout == "dense":
+        planes = scale.permute(1, 0, 2, 3)
+        return (
+            planes[0].reshape(nb * PAGES_PER_SPARSE_BLOCK, PAGE_SIZE, h),
+            planes[1].reshape(nb * PAGES_PER_SPARSE_BLOCK, PAGE_SIZE, h),
+        )
+    pages = scale.view(nb * PACKED_STRIDE, PAGE_SIZE, h)
+    return pages, pages[PAGES_PER_SPARSE_BLOCK:]
+
+
+def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> None:
+    """FP8 views need ``k_scale`` / ``v_scale``: float32 ``[pages, 16, H]`` matching each view's pages,
+    on its device (SPEC section 9); other dtypes take ``None``."""
+    if k_cache.dtype != FP8_DTYPE:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t is not None:
+                raise ValueError(
+                    f"{name}: only an FP8 (float8_e4m3fn) KV cache has scales; the cache is "
+                    f"{str(k_cache.dtype).replace('torch.', '')}, pass {name}=None"
+                )
+        return
+    for name, t, view in (("k_scale", k_scale, k_cache), ("v_scale", v_scale, v_cache)):
+        if t is None:
+            raise ValueError(f"{name}: an FP8 KV cache needs its per-(token, head) scales (PagedKVCache.{name}), got None")
+        check_tensor(name, t, shape=tuple(view.shape[:3]), dtypes=(torch.float32,))
+        check_same_device(k_cache=k_cache, **{name: t})
 
 
 def kv_cache_layout(kv_cache: torch.Tensor) -> str:
@@ -143,7 +197,7 @@ def kv_cache_layout(kv_cache: torch.Tensor) -> str:
 
 
 def _check_page128(kv_cache) -> None:
-    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=FLOAT_DTYPES)
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=KV_DTYPES)
     if kv_cache.shape[1] != 2:
         raise ValueError(f"kv_cache: dimension 1 must be the 2 sides (K, V), got shape {tuple(kv_cache.shape)}")
     if kv_cache.shape[2] != SPARSE_BLOCK_SIZE:
@@ -203,8 +257,8 @@ def check_kv_views(k_cache, v_cache) -> int:
     fit one of the two layouts (equal and a multiple of 8, or ``v = k - 8`` with
     ``k`` a multiple of 16).
     """
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_DTYPES)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=KV_DTYPES)
     if v_cache.dtype != k_cache.dtype:
         raise TypeError(f"v_cache: dtype {v_cache.dtype} differs from k_cache's {k_cache.dtype}")
     check_same_device(k_cache=k_cache, v_cache=v_cache)
