@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import ipywidgets as widgets
-from IPython.display import clear_output, display
+from IPython.display import Image, clear_output, display
 from matplotlib.figure import Figure
 
 from .. import backend
@@ -55,9 +55,9 @@ def _settle(control: widgets.Widget) -> widgets.Widget:
 
 
 def figure_png(fig: Figure) -> bytes:
-    """The PNG bytes Jupyter's inline backend would show for ``fig``."""
+    """``fig`` as PNG bytes, at the figure's size (its constrained layout already fits the page)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", bbox_inches="tight")
+    fig.savefig(buf, format="png")
     return buf.getvalue()
 
 
@@ -83,6 +83,7 @@ class LiveView(widgets.interactive):
             if isinstance(control, widgets.Widget):
                 _settle(control)
         self.text = ""
+        self._png = None
         self._cache: OrderedDict = OrderedDict()
         super().__init__(f, **controls)
         self.add_class("mm3lab-live")
@@ -96,7 +97,8 @@ class LiveView(widgets.interactive):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf), redraw_backend():
             result = self.f(**kwargs)
-        entry = (result, buf.getvalue())
+        png = figure_png(result) if isinstance(result, Figure) else None
+        entry = (result, png, buf.getvalue())
         self._cache[key] = entry
         while len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
@@ -105,13 +107,15 @@ class LiveView(widgets.interactive):
     def update(self, *args):
         self.kwargs = {w._kwarg: w.get_interact_value() for w in self.kwargs_widgets}
         try:
-            result, text = self._compute(dict(self.kwargs))
+            result, png, text = self._compute(dict(self.kwargs))
         except Exception as err:  # noqa: BLE001 (shown in place of the figure, the widget keeps working)
-            result, text = None, f"{type(err).__name__}: {err}\n"
-        self.result, self.text = result, text
+            result, png, text = None, None, f"{type(err).__name__}: {err}\n"
+        self.result, self.text, self._png = result, text, png
         with self.out:
             clear_output(wait=True)
-            if result is not None:
+            if png is not None:
+                display(Image(data=png))
+            elif result is not None:
                 display(result)
             if text:
                 print(text, end="")
@@ -121,8 +125,8 @@ class LiveView(widgets.interactive):
         if isinstance(data, tuple):  # (data, metadata)
             data = data[0]
         data = dict(data or {})
-        if isinstance(self.result, Figure):
-            data["image/png"] = base64.b64encode(figure_png(self.result)).decode("ascii")
+        if getattr(self, "_png", None):
+            data["image/png"] = base64.b64encode(self._png).decode("ascii")
         return data
 
 
