@@ -117,8 +117,8 @@ class LiveView(widgets.interactive):
                 display(Image(data=png))
             elif result is not None:
                 display(result)
-            if text:
-                print(text, end="")
+            if text:  # one display message, sent at once (printed text waits for the stream's flush)
+                display({"text/plain": text.rstrip("\n")}, raw=True)
 
     def _repr_mimebundle_(self, **kwargs):
         data = super()._repr_mimebundle_(**kwargs)
