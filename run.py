@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
         env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [PY, "tests/browser/check_notebooks.py", "--chromium", CHROMIUM, *rest]
         return subprocess.run([str(c) for c in cmd], check=False, cwd=ROOT, env=env).returncode
-    if job in ("tour", "lab", "info", "explain", "bench"):
+    if job in ("tour", "lab", "info", "explain"):
         return subprocess.run([BIN / "mm3lab", job, *rest], cwd=ROOT, env=env).returncode
     print(f"unknown job {job!r}\n{__doc__}", file=sys.stderr)
     return 2

@@ -28,7 +28,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .constants import DEFAULT_TOPK, HEAD_DIM, INDEX_HEAD_DIM, MAX_CONTEXT, NUM_KV_HEADS, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
+from ._checks import check_int
+from .constants import (
+    DEFAULT_TOPK,
+    HEAD_DIM,
+    INDEX_HEAD_DIM,
+    MAX_CONTEXT,
+    NUM_KV_HEADS,
+    PAGES_PER_SPARSE_BLOCK,
+    SPARSE_BLOCK_SIZE,
+)
 
 TABLE_ENTRY_BYTES = 4  # one int32 page id of the sparse block table
 H200_TBPS = 4.8
@@ -107,9 +116,9 @@ def attention_cost(
         index_head_dim: ``Di`` of the index keys.
         kv_bytes, index_bytes: bytes per element of the KV cache and of the index cache.
     """
-    for name, value in (("context_len", context_len), ("topk", topk), ("num_kv_heads", num_kv_heads)):
-        if not isinstance(value, int) or value < (0 if name == "context_len" else 1):
-            raise ValueError(f"{name}: expected a {'non-negative' if name == 'context_len' else 'positive'} int, got {value!r}")
+    check_int("context_len", context_len, minimum=0)
+    check_int("topk", topk, minimum=1)
+    check_int("num_kv_heads", num_kv_heads, minimum=1)
     per_token = num_kv_heads * head_dim * 2 * kv_bytes  # K and V of every KV head
     tokens = sparse_tokens(context_len, topk)
     return AttentionCost(

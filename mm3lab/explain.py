@@ -34,7 +34,7 @@ def _selection_rows(topk, rows: int) -> list[list[int]]:
     return [[int(b) for b in r] for r in topk]
 
 
-def _row_text(blk: list[int], bt_row: list[int], p: int, seq_len: int, i: int, dql: int, stride: int,
+def _row_text(blk: list[int], bt_row: list[int], p: int, seq_len: int, i: int, dql: int, block_page_stride: int,
               pages: list[int], ctx: int) -> list[str]:
     plan = plan_sparse_row(blk, p, table_width=len(bt_row))
     if plan.ctx != ctx:  # pragma: no cover - only a kernel bug gets here
@@ -122,7 +122,7 @@ def explain_sparse_block_table(
 
 def _cmd_explain(args) -> int:
     try:
-        text = explain_sparse_block_table(args.topk, args.block_table, args.seq_len, args.stride, args.dql)
+        text = explain_sparse_block_table(args.topk, args.block_table, args.seq_len, args.block_page_stride, args.dql)
     except (ValueError, TypeError) as err:
         print(f"mm3lab explain: {err}", file=sys.stderr)
         return 2
@@ -136,14 +136,15 @@ def add_explain_parser(sub) -> None:
         "explain",
         help="print one request's sparse block table rows: pages per block, the causal tail, ctx",
         description="Print the sparse block table rows (SPEC section 3) of one request's decode queries.",
-        epilog="example: mm3lab explain --topk 1 0 -1 --block-table 5 7 --seq-len 129 --stride 16",
+        epilog="example: mm3lab explain --topk 1 0 -1 --block-table 5 7 --seq-len 129 --block-page-stride 16",
     )
     p.add_argument("--topk", type=int, nargs="+", required=True, help="selected logical blocks, -1 = padding")
     p.add_argument("--block-table", type=int, nargs="+", required=True,
                    help="the request's physical block of each logical block")
     p.add_argument("--seq-len", type=int, required=True, help="the request's tokens, decode queries included")
-    p.add_argument("--stride", type=int, default=PAGES_PER_SPARSE_BLOCK, choices=BLOCK_PAGE_STRIDES,
-                   help="block_page_stride: 8 dense planes (default), 16 packed sides")
+    p.add_argument("--block-page-stride", "--stride", dest="block_page_stride", type=int,
+                   default=PAGES_PER_SPARSE_BLOCK, choices=BLOCK_PAGE_STRIDES,
+                   help="page ids per block: 8 dense planes (default), 16 packed sides (--stride: old name)")
     p.add_argument("--dql", type=int, default=1, help="decode_query_len: query rows of the request (default 1)")
     p.set_defaults(func=_cmd_explain)
 

@@ -6,6 +6,8 @@ MSA layer consumes: index queries and the shared index keys, and attention
 pays can be compared with the blocks the indexer picks). :func:`page_sequence`
 writes it into paged caches through a shuffled block table, with the real
 :func:`mm3lab.insert_index_cache` and :func:`mm3lab.write_kv_page16`.
+:func:`synthetic_layer` builds a whole MSA decode step from them (:class:`SyntheticLayer`:
+the caches hold every token but the new ones), the input of the MSA notebook and tests.
 
 Patterns (``PATTERNS``), each a few lines of :func:`make_sequence`:
 
@@ -32,6 +34,7 @@ import math
 
 import torch
 
+from ._checks import check_int
 from .constants import SPARSE_BLOCK_SIZE
 
 PATTERNS = ("needle", "sink", "recency", "random")
@@ -94,9 +97,7 @@ class SyntheticSequence:
 
 
 def _check_positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
+    return check_int(name, value, minimum=1)
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -260,4 +261,152 @@ def page_sequence(
     return PagedSequence(block_table, slots, index_cache, kv, seq_lens)
 
 
-__all__ = ["PATTERNS", "PagedSequence", "SyntheticSequence", "make_sequence", "page_sequence"]
+# ----------------------------------------------------------------------------
+# a whole MSA decode step, caches filled
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SyntheticLayer:
+    """A seeded MSA decode step: caches holding every token but the new ones, and the step's inputs.
+
+    Built from :func:`mm3lab.synthetic.make_sequence` (one sequence per request) by
+    :func:`synthetic_layer`.
+
+    Attributes:
+        q, key, value, index_q, index_k: the decode step's inputs (``N = B * dql`` rows), as
+            :func:`mm3lab.msa_decode` takes them.
+        cache: the KV cache (:class:`mm3lab.PagedKVCache`), history written.
+        index_cache: ``[num_blocks, 128, Di]``, history written.
+        block_table: ``[B, M]``; seq_lens: ``[B]`` (the new tokens included).
+        decode_query_len: query tokens per request.
+        full_key, full_value: ``[B, S, Hkv, D]`` every token of every request (the new ones last,
+            zeros past a shorter request's end).
+        sequences: the :class:`mm3lab.synthetic.SyntheticSequence` of each request.
+        pattern: the :data:`mm3lab.synthetic.PATTERNS` entry used.
+    """
+
+    q: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    index_q: torch.Tensor
+    index_k: torch.Tensor
+    cache: object
+    index_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    decode_query_len: int
+    full_key: torch.Tensor
+    full_value: torch.Tensor
+    sequences: tuple
+    pattern: str
+
+    def inputs(self) -> dict:
+        """Keyword arguments of :func:`mm3lab.msa_decode` for this step."""
+        return dict(
+            q=self.q, key=self.key, value=self.value, index_q=self.index_q, index_k=self.index_k,
+            k_cache=self.cache.k_cache, v_cache=self.cache.v_cache, index_cache=self.index_cache,
+            block_table=self.block_table, seq_lens=self.seq_lens, decode_query_len=self.decode_query_len,
+        )
+
+    def dense_inputs(self) -> dict:
+        """Keyword arguments of :func:`mm3lab.msa.dense_decode` for this step."""
+        return dict(
+            q=self.q, key=self.key, value=self.value, k_cache=self.cache.k_cache, v_cache=self.cache.v_cache,
+            block_table=self.block_table, seq_lens=self.seq_lens, decode_query_len=self.decode_query_len,
+        )
+
+
+def synthetic_layer(
+    context_len: int,
+    *,
+    batch: int = 1,
+    num_kv_heads: int = 2,
+    group_size: int = 4,
+    head_dim: int = 64,
+    index_dim: int = 32,
+    layout: str = "packed",
+    pattern: str = "needle",
+    decode_query_len: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    seed: int = 0,
+    **sequence_options,
+) -> SyntheticLayer:
+    """A seeded decode step over ``batch`` requests of about ``context_len`` tokens, caches filled.
+
+    Request ``r`` is :func:`mm3lab.synthetic.make_sequence` ``(pattern, context_len + 37 * r,
+    seed=seed + r, **sequence_options)``: its last ``decode_query_len`` tokens are the
+    step's queries and new tokens, every earlier token is already in the KV and index
+    caches, at slots given by a seeded shuffled block table.
+
+    Args:
+        context_len: tokens of request 0, the new ones included (``>= decode_query_len``).
+        batch, decode_query_len: requests and query tokens per request.
+        num_kv_heads, group_size, head_dim, index_dim: ``Hkv``, ``Hq / Hkv``, ``D``, ``Di``.
+        layout: ``"dense"`` or ``"packed"`` KV cache.
+        pattern: ``"needle"``, ``"sink"``, ``"recency"`` or ``"random"`` (see :mod:`mm3lab.synthetic`).
+        dtype, device: of the caches and inputs.
+        seed: seeds the sequences and the block table.
+        sequence_options: passed on to ``make_sequence`` (``strength``, ``needle_block``, ...).
+    """
+    from .index_cache import allocate_index_cache
+    from .layout import allocate_kv_cache
+
+    dql = decode_query_len
+    check_int("context_len", context_len, minimum=dql)
+    hkv, d, di = num_kv_heads, head_dim, index_dim
+    lens = [context_len + 37 * r for r in range(batch)]
+    seqs = tuple(
+        make_sequence(pattern, length, num_kv_heads=hkv, num_q_heads=hkv * group_size, index_dim=di,
+                      head_dim=d, seed=seed + r, **sequence_options)
+        for r, length in enumerate(lens)
+    )
+    s_max = max(lens)
+    m = -(-s_max // SPARSE_BLOCK_SIZE)
+    num_blocks = batch * m + 2
+    g = torch.Generator().manual_seed(seed)
+    block_table = torch.randperm(num_blocks, generator=g)[: batch * m].view(batch, m).to(torch.int32)
+
+    full_key = torch.zeros(batch, s_max, hkv, d)
+    full_value = torch.zeros(batch, s_max, hkv, d)
+    full_index_k = torch.zeros(batch, s_max, di)
+    for r, sq in enumerate(seqs):
+        full_key[r, : lens[r]], full_value[r, : lens[r]], full_index_k[r, : lens[r]] = sq.k, sq.v, sq.index_k
+    req = torch.arange(batch).repeat_interleave(dql)
+    pos = torch.tensor(lens)[req] - dql + torch.arange(batch * dql) % dql
+    q = torch.stack([seqs[r].q[p] for r, p in zip(req.tolist(), pos.tolist())])
+    index_q = torch.stack([seqs[r].index_q[p] for r, p in zip(req.tolist(), pos.tolist())])
+
+    cache = allocate_kv_cache(num_blocks, hkv, d, layout, dtype=dtype, device=device, fill=0.0)
+    index_cache = allocate_index_cache(num_blocks, di, dtype=dtype, device=device, fill=0.0)
+    dev = cache.kv.device
+    full_key, full_value, full_index_k = (t.to(device=dev, dtype=dtype) for t in (full_key, full_value, full_index_k))
+    hist_req = torch.cat([torch.full((length - dql,), r) for r, length in enumerate(lens)]).to(dev)
+    hist_pos = torch.cat([torch.arange(length - dql) for length in lens]).to(dev)
+    block_table = block_table.to(dev)
+    if hist_req.numel():  # the history, written through the page-128 view (one vectorized copy)
+        physical = block_table.long()[hist_req, hist_pos // SPARSE_BLOCK_SIZE]
+        offset = hist_pos % SPARSE_BLOCK_SIZE
+        cache.kv[physical, 0, offset] = full_key[hist_req, hist_pos]
+        cache.kv[physical, 1, offset] = full_value[hist_req, hist_pos]
+        index_cache[physical, offset] = full_index_k[hist_req, hist_pos]
+    req, pos = req.to(dev), pos.to(dev)
+    return SyntheticLayer(
+        q=q.to(device=dev, dtype=dtype), key=full_key[req, pos], value=full_value[req, pos],
+        index_q=index_q.to(device=dev, dtype=dtype), index_k=full_index_k[req, pos],
+        cache=cache, index_cache=index_cache, block_table=block_table,
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), decode_query_len=dql,
+        full_key=full_key, full_value=full_value, sequences=seqs, pattern=pattern,
+    )
+
+
+__all__ = [
+    "PATTERNS",
+    "PagedSequence",
+    "SyntheticLayer",
+    "SyntheticSequence",
+    "make_sequence",
+    "page_sequence",
+    "synthetic_layer",
+]

@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -125,7 +127,7 @@ def check_all_paths(kind, args, topk, init_blocks, local_blocks, extra=(), block
     for forced in (False, True):
         want = getattr(ref, scores_fn.__name__)(*score_args, forced=forced)
         for backend in ("kernel", "torch"):
-            with mm3lab.use_backend("torch") if backend == "torch" else _nothing():
+            with mm3lab.use_backend("torch") if backend == "torch" else contextlib.nullcontext():
                 got = scores_fn(*score_args, forced=forced)
             assert got.dtype == torch.float32 and got.is_contiguous()
             assert_same_scores(got, want, f"scores forced={forced} ({backend})")
@@ -147,14 +149,6 @@ def check_all_paths(kind, args, topk, init_blocks, local_blocks, extra=(), block
         assert_equal_int(r, a, f"reference fused {name}")
     results["topk"] = want
     return results
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # --- the worked example ---------------------------------------------------------------------

@@ -610,7 +610,7 @@ def test_other_bad_input():
         mm3lab.allocate_kv_cache(2, 2, 4, "sideways")
     with pytest.raises(ValueError, match="num_blocks"):
         mm3lab.allocate_kv_cache(0, 2, 4)
-    with pytest.raises(ValueError, match="num_kv_heads"):
+    with pytest.raises(TypeError, match="num_kv_heads"):
         mm3lab.allocate_kv_cache(2, 2.0, 4)
     with pytest.raises(ValueError, match="head_dim"):
         mm3lab.allocate_kv_cache(2, 2, -4)

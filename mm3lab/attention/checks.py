@@ -42,7 +42,7 @@ def check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, ou
     Raises ``TypeError``/``ValueError`` naming the argument (and the ``(head, row)``
     for value checks) before anything runs.
     """
-    stride = check_kv_views(k_cache, v_cache)
+    block_page_stride = check_kv_views(k_cache, v_cache)
     _, _, hkv, d = k_cache.shape
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     n, hq, dq = q.shape
@@ -89,7 +89,7 @@ def check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, ou
                 f"sparse_bt: (head {bad[0]}, row {bad[1]}) entry {bad[2]} is page {int(sparse_bt[bad])}, "
                 f"outside the cache's {pages} readable pages"
             )
-        if stride == PACKED_STRIDE:
+        if block_page_stride == PACKED_STRIDE:
             bad = _first(used & (sparse_bt % PACKED_STRIDE >= PAGES_PER_SPARSE_BLOCK))
             if bad is not None:
                 raise ValueError(
@@ -97,4 +97,4 @@ def check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, ou
                     f"which in the packed layout is not a K page (ids are block * {PACKED_STRIDE} + j, "
                     f"j < {PAGES_PER_SPARSE_BLOCK}); was the table built with block_page_stride={PACKED_STRIDE}?"
                 )
-    return stride, scale
+    return block_page_stride, scale

@@ -18,10 +18,6 @@ from .._checks import raise_first as _raise_first
 from ..constants import PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
 
 
-
-
-
-
 def _check_outputs(out, h: int, n: int, k: int, device) -> None:
     if out is None:
         return
@@ -39,8 +35,6 @@ def _check_common(topk_idx, block_table, block_page_stride, out):
     h, n, k = topk_idx.shape
     _check_outputs(out, h, n, k, topk_idx.device)
     return h, n, k
-
-
 
 
 def _topk_past_table(topk_idx: torch.Tensor, width: int):

@@ -7,7 +7,7 @@ like the SPEC::
     valid(b)   = causal_len > 0 and 0 <= b <= self_blk
     full       = valid blocks with b <  self_blk, in selection order
     tail       = the valid block with b == self_blk, if selected
-    row        = for b in full + [tail]: block_table[b] * stride + j, j = 0..7
+    row        = for b in full + [tail]: block_table[b] * block_page_stride + j, j = 0..7
     row        = row padded with 0 to width topk * 8
     ctx        = len(full) * 128 + (causal_len - self_blk * 128)    if tail
                  min(len(valid) * 128, causal_len)                   otherwise

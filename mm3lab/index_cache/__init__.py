@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import backend
-from .._checks import FLOAT_DTYPES
+from .._checks import FLOAT_DTYPES, check_int
 from ..constants import SPARSE_BLOCK_SIZE
 from . import reference
 from .checks import check_index_cache, check_insert_index_cache, check_token_slots, index_cache_slots
@@ -40,9 +40,8 @@ def allocate_index_cache(
     fill: float | None = None,
 ) -> torch.Tensor:
     """A ``[num_blocks, 128, index_dim]`` index cache (``fill=None`` leaves memory uninitialized)."""
-    for name, value in (("num_blocks", num_blocks), ("index_dim", index_dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    check_int("num_blocks", num_blocks, minimum=1)
+    check_int("index_dim", index_dim, minimum=1)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
     cache = torch.empty(num_blocks, SPARSE_BLOCK_SIZE, index_dim, dtype=dtype, device=device)

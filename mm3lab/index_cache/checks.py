@@ -24,8 +24,6 @@ from .._checks import (
 from ..constants import SPARSE_BLOCK_SIZE
 
 
-
-
 def check_index_cache(index_cache) -> None:
     """``index_cache``: ``[num_blocks, 128, Di]``, float, contiguous head dim."""
     check_tensor("index_cache", index_cache, ndim=3, dtypes=FLOAT_DTYPES)

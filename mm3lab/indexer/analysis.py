@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from .._checks import check_int
 from ..constants import DEFAULT_TOPK, SPARSE_BLOCK_SIZE
 
 
@@ -53,8 +54,7 @@ class Selection:
         Exact, because the top-k order (score descending, ties to the lower id) does not
         depend on ``topk``: a top-k is a prefix of any larger one.
         """
-        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= self.topk:
-            raise ValueError(f"topk: expected an int in [1, {self.topk}], got {topk!r}")
+        check_int("topk", topk, minimum=1, maximum=self.topk)
         return dataclasses.replace(self, topk_idx=self.topk_idx[..., :topk].contiguous(), topk=topk)
 
     def selected_mask(self) -> torch.Tensor:

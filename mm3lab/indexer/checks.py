@@ -34,12 +34,6 @@ from ..constants import SPARSE_BLOCK_SIZE
 from ..index_cache.checks import check_index_cache
 
 
-
-
-
-
-
-
 def check_topk_scores(scores, topk) -> None:
     """``topk_blocks``: a float score tensor ``[..., W]`` and ``topk >= 1``."""
     check_tensor("scores", scores, dtypes=FLOAT_DTYPES)
@@ -66,8 +60,6 @@ def _check_common(index_q, index_cache, block_table, topk, init_blocks, local_bl
         check_int("topk", topk, minimum=1)
     check_int("init_blocks", init_blocks, minimum=0)
     check_int("local_blocks", local_blocks, minimum=0)
-
-
 
 
 def _table_entries_check(block_table, blocks_used, num_blocks):

@@ -121,12 +121,12 @@ def write_kv_page16(
         k_cache, v_cache: page-16 views ``[pages, 16, H, D]`` (dense or packed).
         slot_mapping: ``[N]`` int32/int64 page-128 slots.
     """
-    stride = check_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    block_page_stride = check_write_kv(key, value, k_cache, v_cache, slot_mapping)
     if key.shape[0] == 0:
         return
     if backend.use_kernel(key, k_cache):
         from .kernel import write_kv_page16_kernel
 
-        write_kv_page16_kernel(key, value, k_cache, v_cache, slot_mapping, stride)
+        write_kv_page16_kernel(key, value, k_cache, v_cache, slot_mapping, block_page_stride)
     else:
         reference.write_kv_page16(key, value, k_cache, v_cache, slot_mapping)

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_same_device, check_tensor
+from .._checks import FLOAT_DTYPES, check_int, check_last_dim_contiguous, check_same_device, check_tensor
 from ..constants import PAGE16_SIDES_PER_BLOCK, PAGE_SIZE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
 
 LAYOUTS = ("dense", "packed")
@@ -91,8 +91,7 @@ def allocate_kv_cache(
     """
     _check_layout(layout)
     for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        check_int(name, value, minimum=1)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
     if layout == "dense":
@@ -272,7 +271,7 @@ def locate_page(page_id: int, view: str, layout: str, num_blocks: int, page_byte
 
 
 def page_ids_of_block(block: int, block_page_stride: int) -> list[int]:
-    """The 8 page ids ``block * stride + j`` that cover one physical block."""
+    """The 8 page ids ``block * block_page_stride + j`` that cover one physical block."""
     if block_page_stride not in (DENSE_STRIDE, PACKED_STRIDE):
         raise ValueError(f"block_page_stride: expected 8 or 16, got {block_page_stride!r}")
     return [block * block_page_stride + j for j in range(PAGES_PER_SPARSE_BLOCK)]

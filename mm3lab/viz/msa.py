@@ -346,7 +346,8 @@ def show_msa(topk: int = 4, context_len: int = 2048, layout: str = "packed", pat
 
     The widget's callback (:func:`mm3lab.widgets.msa.msa_widget`).
     """
-    from ..msa import run_msa_demo, synthetic_layer
+    from ..synthetic import synthetic_layer
+    from .msa_demo import run_msa_demo
 
     layer = synthetic_layer(int(context_len), layout=layout, pattern=pattern, seed=seed, **DEMO_LAYER)
     demo = run_msa_demo(layer, int(topk))

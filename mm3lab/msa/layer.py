@@ -1,0 +1,242 @@
+"""One MSA layer in one call (SPEC section 2): every step joined, intermediates on request.
+
+:func:`msa_decode` / :func:`msa_prefill` run, for the layer's new query tokens:
+
+1. index-cache insert  (:func:`mm3lab.insert_index_cache`): each token's index key;
+2. KV insert           (:func:`mm3lab.write_kv_page16`): each token's K and V;
+3. indexer + top-k     (:func:`mm3lab.index_topk_decode` / ``_prefill``): ``topk``
+   blocks per (token, KV head), the local block forced;
+4. sparse block table  (:func:`mm3lab.build_sparse_block_table_decode` / ``_prefill``),
+   fused with the top-k into one launch (``mm3lab.indexer.index_topk_block_table_*``,
+   equal to running the two apart);
+5. sparse attention    (:func:`mm3lab.sparse_attention`).
+
+Both caches take the same slot, from the one block table
+(:func:`mm3lab.index_cache.token_slots`: ``block_table[r, p // 128] * 128 + p % 128``). Everything is validated
+before the first cache write, so bad input leaves every cache untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .._checks import check_index, check_int, check_same_device, check_tensor
+from ..attention import sparse_attention
+from ..constants import DEFAULT_TOPK
+from ..index_cache import insert_index_cache, token_slots
+from ..index_cache.checks import check_insert_index_cache
+from ..indexer import (
+    index_scores_decode,
+    index_scores_prefill,
+    index_topk_block_table_decode,
+    index_topk_block_table_prefill,
+)
+from ..indexer.checks import check_decode as check_indexer_decode
+from ..indexer.checks import check_prefill as check_indexer_prefill
+from ..layout import check_kv_views, write_kv_page16
+from ..layout.checks import check_write_kv
+
+__all__ = ["MSAStep", "decode_query_rows", "msa_decode", "msa_prefill"]
+
+
+@dataclasses.dataclass
+class MSAStep:
+    """Every intermediate of one MSA layer call (``return_intermediates=True``).
+
+    Attributes:
+        query_req_id, query_abs_pos: ``[N]`` request and absolute position of each row (negative = padded).
+        slot_mapping: ``[N]`` page-128 slot each token was written to (``-1`` for padded rows).
+        scores: ``[H, N, M]`` float32 raw block scores, ``max_s index_q . index_k`` over each
+            block's visible tokens, before the init/local forcing (``-inf`` for blocks that
+            are not candidates); ``None`` for the dense baseline.
+        topk_idx: ``[H, N, topk]`` selected logical blocks, ``-1`` padding.
+        sparse_bt, sparse_ctx: ``[H, N, topk * 8]`` page ids and ``[H, N]`` tokens attended.
+        lse: ``[N, Hq]`` float32 log-sum-exp of the attention scores.
+    """
+
+    query_req_id: torch.Tensor
+    query_abs_pos: torch.Tensor
+    slot_mapping: torch.Tensor
+    scores: torch.Tensor | None
+    topk_idx: torch.Tensor
+    sparse_bt: torch.Tensor
+    sparse_ctx: torch.Tensor
+    lse: torch.Tensor
+
+
+# ----------------------------------------------------------------------------
+# rows and slots
+# ----------------------------------------------------------------------------
+
+
+def decode_query_rows(seq_lens: torch.Tensor, decode_query_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request and position of every decode row: row ``n = r * dql + i`` is at ``p = seq_lens[r] - dql + i``.
+
+    Args:
+        seq_lens: ``[B]`` tokens per request, the decode queries included.
+        decode_query_len: query tokens per request (``> 1`` for speculative decode).
+    Returns:
+        ``(query_req_id [B * dql], query_abs_pos [B * dql])`` int32; ``p < 0`` marks a padded row (``-1``).
+    """
+    check_index("seq_lens", seq_lens, ndim=1)
+    dql = check_int("decode_query_len", decode_query_len, minimum=1)
+    rows = torch.arange(seq_lens.shape[0] * dql, device=seq_lens.device)
+    req = rows // dql
+    pos = seq_lens.long()[req] - dql + rows % dql
+    return req.to(torch.int32), pos.clamp(min=-1).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------
+# validation of the whole step, before any cache is written
+# ----------------------------------------------------------------------------
+
+
+def _check_query(q, k_cache, v_cache, index_q=None) -> int:
+    """``q`` (and ``index_q``) against the KV cache, what later steps would reject; returns ``block_page_stride``."""
+    block_page_stride = check_kv_views(k_cache, v_cache)
+    _, _, hkv, d = k_cache.shape
+    if index_q is not None:
+        check_tensor("index_q", index_q, ndim=3)
+        if index_q.shape[1] != hkv:
+            raise ValueError(
+                f"index_q: {index_q.shape[1]} index heads, but the KV cache has {hkv} KV heads (one index head each)"
+            )
+    check_tensor("q", q, ndim=3)
+    if q.dtype != k_cache.dtype:
+        raise TypeError(f"q: dtype {q.dtype} differs from k_cache's {k_cache.dtype}")
+    if q.shape[2] != d:
+        raise ValueError(f"q: head dim {q.shape[2]} does not match k_cache's head dim {d}")
+    if q.shape[1] % hkv:
+        raise ValueError(f"q: {q.shape[1]} query heads are not a multiple of the cache's {hkv} KV heads")
+    return block_page_stride
+
+
+def _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos) -> torch.Tensor:
+    """Slots of the new tokens, after checking both inserts: nothing is written until all checks pass."""
+    if q.shape[0] != pos.shape[0]:
+        raise ValueError(f"q: expected one row per query token ({pos.shape[0]}), got {q.shape[0]}")
+    check_same_device(q=q, k_cache=k_cache, block_table=block_table)
+    slots = token_slots(block_table, req, pos)
+    check_write_kv(key, value, k_cache, v_cache, slots)
+    if index_k is not None:
+        check_insert_index_cache(index_k, index_cache, slots)
+    return slots
+
+
+def _insert(key, value, index_k, k_cache, v_cache, index_cache, slots) -> None:
+    if index_k is not None:
+        insert_index_cache(index_k, index_cache, slots)
+    write_kv_page16(key, value, k_cache, v_cache, slots)
+
+
+# ----------------------------------------------------------------------------
+# the MSA layer
+# ----------------------------------------------------------------------------
+
+
+def msa_decode(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    decode_query_len: int = 1,
+    topk: int = DEFAULT_TOPK,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    scale: float | None = None,
+    return_intermediates: bool = False,
+):
+    """One MSA layer for decode (and speculative-decode) rows: insert, select, attend.
+
+    The ``N = B * decode_query_len`` new tokens are the last positions of their
+    requests (row ``n = r * dql + i`` at ``p = seq_lens[r] - dql + i``); their index
+    key, K and V are written to the caches first, so every query sees itself.
+
+    Args:
+        q: ``[N, Hq, D]`` queries (RoPE applied).
+        key, value: ``[N, Hkv, D]`` the new tokens' K and V, the cache's dtype.
+        index_q: ``[N, Hkv, Di]`` index queries (one index head per KV head).
+        index_k: ``[N, Di]`` the new tokens' index keys.
+        k_cache, v_cache: page-16 views of the KV cache (dense or packed layout).
+        index_cache: ``[num_blocks, 128, Di]`` index-key cache.
+        block_table: ``[B, M]`` logical -> physical block of each request (shared by both caches).
+        seq_lens: ``[B]`` tokens per request, the new ones included.
+        decode_query_len: query tokens per request.
+        topk, init_blocks, local_blocks: the selection (model defaults: 16, 0, 1).
+        scale: attention scale, default ``D ** -0.5``.
+        return_intermediates: also return an :class:`MSAStep`.
+    Returns:
+        ``out [N, Hq, D]`` in q's dtype, or ``(out, MSAStep)``.
+    """
+    block_page_stride = _check_query(q, k_cache, v_cache, index_q)
+    check_indexer_decode(
+        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks
+    )
+    req, pos = decode_query_rows(seq_lens, decode_query_len)
+    slots = _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos)
+    _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
+    topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_decode(
+        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
+        block_page_stride,
+    )
+    out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
+    if not return_intermediates:
+        return out
+    scores = index_scores_decode(index_q, index_cache, block_table, seq_lens, decode_query_len)
+    return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)
+
+
+def msa_prefill(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_req_id: torch.Tensor,
+    query_abs_pos: torch.Tensor,
+    *,
+    topk: int = DEFAULT_TOPK,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    scale: float | None = None,
+    return_intermediates: bool = False,
+):
+    """One MSA layer for prefill rows, each with its own request and position.
+
+    All ``N`` tokens are inserted before any is scored, so a chunk's queries see
+    the whole chunk up to themselves (causal).
+
+    Args:
+        as :func:`msa_decode`, with ``query_req_id [N]`` and ``query_abs_pos [N]``
+        (negative = padded row) in place of ``seq_lens`` and ``decode_query_len``.
+    Returns:
+        ``out [N, Hq, D]``, or ``(out, MSAStep)``.
+    """
+    block_page_stride = _check_query(q, k_cache, v_cache, index_q)
+    check_indexer_prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks
+    )
+    req, pos = query_req_id, query_abs_pos
+    slots = _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos)
+    _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
+    topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_prefill(
+        index_q, index_cache, block_table, req, pos, topk, init_blocks, local_blocks, block_page_stride
+    )
+    out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
+    if not return_intermediates:
+        return out
+    scores = index_scores_prefill(index_q, index_cache, block_table, req, pos)
+    return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)
