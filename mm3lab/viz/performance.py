@@ -76,11 +76,14 @@ def plot_roofline(results: dict):
     fig, ax = plt.subplots(figsize=(9, max(3, 0.32 * len(uniq) + 1)))
     labels = [f"{r['name']}  {_shape_text(r['shape'], ['batch', 'rows', 'tokens', 'chunk', 'layout'])}" for r in uniq]
     values = [r["achieved_TBps"] for r in uniq]
-    ax.barh(range(len(uniq)), values, color="tab:blue")
+    ax.barh(range(len(uniq)), values, height=0.7, color="tab:blue")
+    for y, v in enumerate(values):  # small bandwidths stay readable: log axis, value printed at the bar
+        ax.text(v, y, f" {v / copy:.0%}", va="center", fontsize=8)
+    ax.set_xscale("log")
     ax.axvline(copy, color="tab:red", linestyle="--", label=f"copy bandwidth {copy:.2f} TB/s")
     ax.set_yticks(range(len(uniq)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("achieved TB/s on the bytes the kernel must move")
+    ax.set_xlabel("achieved TB/s on the bytes the kernel must move (log)")
     ax.set_title(f"Bandwidth against the copy roofline ({results['meta']['gpu']})")
     ax.legend(loc="lower right")
     fig.tight_layout()
