@@ -179,3 +179,12 @@ def test_real_size_stages():
     att = {s: b for s, b, _ in rows}
     assert att["indexer_scores"] > att["attention"]  # at 1M the indexer's read dominates
     assert "total" in performance.real_size_text()
+
+
+def test_real_size_pipeline_and_bytes_per_token():
+    from mm3lab.viz import index_cache
+
+    fig = performance.plot_real_size_stages()
+    assert len(fig.axes[0].patches) == 3 * len(performance.STAGES)
+    fig = index_cache.plot_bytes_per_token()
+    assert "2048 B of K/V, 256 B of index key (12.5%)" in fig.axes[0].get_title(loc="left")

@@ -216,6 +216,29 @@ def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
+def plot_bytes_per_token(num_kv_heads: int | None = None, head_dim: int | None = None,
+                         index_dim: int | None = None, dtype_bytes: int = 2) -> Figure:
+    """Stacked bar per token: K and V bytes of every KV head against the one shared index key."""
+    from ..constants import HEAD_DIM, INDEX_HEAD_DIM, NUM_KV_HEADS
+
+    hkv, d, di = num_kv_heads or NUM_KV_HEADS, head_dim or HEAD_DIM, index_dim or INDEX_HEAD_DIM
+    k = v = hkv * d * dtype_bytes
+    idx = di * dtype_bytes
+    fig = Figure(figsize=(7.0, 2.4), layout="constrained")
+    ax = fig.add_subplot()
+    ax.barh(1, k, color="#1f77b4", label=f"K: {hkv} heads x {d} dims x {dtype_bytes} B")
+    ax.barh(1, v, left=k, color="#2ca02c", label="V: the same")
+    ax.barh(0, idx, color="#ff7f0e", label=f"index key: {di} dims x {dtype_bytes} B, shared by the heads")
+    for y, total in ((1, k + v), (0, idx)):
+        ax.text(total, y, f"  {total} B", va="center", fontsize=9)
+    ax.set_yticks([0, 1], ["index cache", "KV cache"])
+    ax.set_xlim(0, (k + v) * 1.2)
+    ax.set_xlabel("bytes per token (one layer)")
+    ax.set_title(f"one token: {k + v} B of K/V, {idx} B of index key ({idx / (k + v):.1%})", loc="left", fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    return fig
+
+
 DEMO_BLOCK_TABLE = ((3, 0, 5), (1, 4, 2))
 """The notebook's block table: request 0 -> physical blocks 3, 0, 5; request 1 -> 1, 4, 2."""
 
@@ -257,6 +280,7 @@ __all__ = [
     "FillStep",
     "fill_text",
     "occupancy",
+    "plot_bytes_per_token",
     "plot_fill_steps",
     "plot_index_cache",
     "shared_table_text",

@@ -651,3 +651,30 @@ def real_size_text(context: int = MAX_CONTEXT, batch: int = 1, bandwidth_tbps: f
         lines.append(f"  {stage:<15} {nbytes / 1e6:>9.3f} MB {nbytes / (bw * 1e12) * 1e6:>8.2f} us  {what}")
     lines.append(f"  {'total':<15} {total / 1e6:>9.3f} MB {total / (bw * 1e12) * 1e6:>8.2f} us")
     return "\n".join(lines)
+
+
+def plot_real_size_stages(contexts=(8192, 131072, MAX_CONTEXT), batch: int = 1) -> Figure:
+    """The pipeline of one decode step at MiniMax-M3's sizes: bytes each stage moves, per context length."""
+    fig = Figure(figsize=(9.0, 0.8 * len(contexts) + 1.8), layout="constrained")
+    ax = fig.add_subplot()
+    seen = set()
+    for y, context in enumerate(contexts):
+        left = 0.0
+        for stage, nbytes, _ in real_size_stages(context, batch):
+            mb = nbytes / 1e6
+            ax.barh(y, mb, left=left, height=0.55, color=STAGE_COLORS[stage], edgecolor="white",
+                    label=None if stage in seen else stage)
+            seen.add(stage)
+            if mb / max(left + mb, 1e-9) > 0.08:
+                ax.text(left + mb / 2, y, f"{mb:.2f}", ha="center", va="center", fontsize=8, color="white")
+            left += mb
+        ax.text(left, y, f"  {left:.2f} MB", va="center", fontsize=9)
+    ax.set_yticks(range(len(contexts)), [short_shape({"context": c}) for c in contexts])
+    ax.invert_yaxis()
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.15)
+    ax.set_xlabel(f"MB moved per decode step and layer (batch {batch}, {NUM_Q_HEADS} query / {NUM_KV_HEADS} KV heads, "
+                  f"128-token blocks, top-k {DEFAULT_TOPK}, bf16)")
+    ax.set_title("insert -> indexer scores -> top-k -> block table -> sparse attention: bytes per stage", loc="left",
+                 fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    return fig
