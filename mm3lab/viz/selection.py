@@ -9,6 +9,8 @@
   init/local forcing: which blocks forcing brings in and which it pushes out;
 * :func:`plot_mass_curve`: the share of a full softmax's attention mass the chosen
   blocks hold at each top-k, next to the best any selector could do;
+* :func:`agreement_text`: whether two selections (kernel and reference) pick the same
+  blocks, and whether their scores agree within a stated tolerance;
 * :func:`show_selection`: prints the table and returns heatmap + row, the widget's callback.
 
 Every function returns a :class:`matplotlib.figure.Figure` made without pyplot (nothing
@@ -256,6 +258,29 @@ def mass_text(curves: MassCurve | Sequence[MassCurve]) -> str:
         lines.append(f"{c.pattern:9s} " + "".join(f"  {x:7.3f}" for x in c.indexer) + "   (indexer)")
         lines.append(f"{'':9s} " + "".join(f"  {x:7.3f}" for x in c.oracle) + "   (best possible)")
     return "\n".join(lines)
+
+
+SCORE_TOLERANCE = 1e-4
+"""Absolute difference allowed between two computations of the same fp32 block score. The
+scores of the demo sequences are below 100, where fp32 spacing is under 1e-5; the order of
+the additions (CPU, BLAS, thread count, GPU) moves a score by a few of those."""
+
+
+def agreement_text(selection: Selection, reference: Selection, atol: float = SCORE_TOLERANCE) -> str:
+    """Two lines: the top-k ids compared exactly, the scores against ``atol``.
+
+    A printed difference would depend on the machine; the comparison does not. Scores that
+    are ``-inf`` in both (masked blocks) agree.
+    """
+    same_ids = bool(np.array_equal(np.asarray(selection.topk_idx), np.asarray(reference.topk_idx)))
+    a = np.asarray(selection.scores, dtype=np.float64)
+    b = np.asarray(reference.scores, dtype=np.float64)
+    close = a.shape == b.shape
+    if close:
+        with np.errstate(invalid="ignore"):  # -inf - -inf is NaN: both masked, handled beside it
+            close = bool(np.all((np.isneginf(a) & np.isneginf(b)) | (np.abs(a - b) <= atol)))
+    return (f"kernel == reference (top-k ids): {same_ids}\n"
+            f"scores agree with the reference within {atol:g}: {close}")
 
 
 # --- the widget's callback --------------------------------------------------------------------
