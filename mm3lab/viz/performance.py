@@ -10,7 +10,6 @@ import json
 import math
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from ..constants import DEFAULT_TOPK, HEAD_DIM, INDEX_HEAD_DIM, MAX_CONTEXT, NUM_KV_HEADS, NUM_Q_HEADS
@@ -73,7 +72,8 @@ def plot_roofline(results: dict):
         if key not in seen:
             seen.add(key)
             uniq.append(r)
-    fig, ax = plt.subplots(figsize=(9, max(3, 0.32 * len(uniq) + 1)))
+    fig = Figure(figsize=(9, max(3, 0.32 * len(uniq) + 1)))
+    ax = fig.add_subplot()
     labels = [f"{r['name']}  {_shape_text(r['shape'], ['batch', 'rows', 'tokens', 'chunk', 'layout'])}" for r in uniq]
     values = [r["achieved_TBps"] for r in uniq]
     ax.barh(range(len(uniq)), values, height=0.7, color="tab:blue")
@@ -92,7 +92,8 @@ def plot_roofline(results: dict):
 
 def plot_decode_times(results: dict):
     """Attention decode time per batch: mm3lab sparse, naive gather + SDPA, dense SDPA over the full context."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot()
     ours = [r for r in records(results, "attention_decode", "naive_gather_sdpa") if r["shape"].get("layout") == "dense"]
     dense = {r["shape"]["batch"]: r["baseline_ms"] for r in records(results, "attention_decode", "dense_sdpa")}
     batches = [r["shape"]["batch"] for r in ours]
@@ -114,7 +115,8 @@ def plot_decode_times(results: dict):
 def plot_speedups(results: dict):
     """Speedup over each record's baseline (log scale)."""
     rows = [r for r in results["records"] if r["speedup"] is not None]
-    fig, ax = plt.subplots(figsize=(9, max(3, 0.3 * len(rows) + 1)))
+    fig = Figure(figsize=(9, max(3, 0.3 * len(rows) + 1)))
+    ax = fig.add_subplot()
     labels = [f"{r['name']} vs {r['baseline']}  {_shape_text(r['shape'], ['batch', 'rows', 'tokens', 'chunk', 'layout'])}" for r in rows]
     ax.barh(range(len(rows)), [r["speedup"] for r in rows], color=["tab:green" if r["speedup"] >= 1 else "tab:red" for r in rows])
     ax.axvline(1.0, color="black", linewidth=0.8)
