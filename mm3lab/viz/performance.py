@@ -282,7 +282,7 @@ def limits(results: dict) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 MODES = ("graph", "eager")
-MODE_TEXT = {"graph": "CUDA-graph replay", "eager": "eager call"}
+MODE_TEXT = {"graph": "CUDA-graph replay", "eager": "eager call", "unknown": "call of unrecorded mode"}
 STAGES = ("insert", "indexer_scores", "topk", "block_table", "attention")
 """The stages of one MSA decode step, in order (``msa_decode_stage`` records' ``shape.stage``)."""
 STAGE_COLORS = {"insert": "tab:gray", "indexer_scores": "tab:orange", "topk": "tab:purple",
@@ -290,8 +290,8 @@ STAGE_COLORS = {"insert": "tab:gray", "indexer_scores": "tab:orange", "topk": "t
 
 
 def mode_of(record: dict) -> str:
-    """``"graph"`` or ``"eager"``; records written before modes existed were eager (``do_bench``) calls."""
-    return record.get("mode") or "eager"
+    """``"graph"`` or ``"eager"``; ``"unknown"`` for records written before the schema had a mode."""
+    return record.get("mode") or "unknown"
 
 
 def fmt_us(ms: float | None) -> str:
@@ -334,14 +334,14 @@ def mode_table(results: dict, width: int = 100) -> str:
     head = (f"{'benchmark':<20} {'shape':<22} {'mode':<5} {'time':>9} {'cv':>4} {'baseline':<14} "
             f"{'base':>9} {'speedup':>7}")
     title = (f"{meta.get('gpu', '?')}: copy bandwidth {meta.get('copy_TBps', float('nan')):.2f} TB/s; "
-             "mode: graph = CUDA-graph replay, eager = a plain call")
+             "mode: graph = CUDA-graph replay, eager = a plain call, ? = not recorded")
     lines = [title, head]
     for r in results["records"]:
         if r["name"].startswith(("copy_", "launch_")):
             continue
         cv = f"{100 * r['cv']:.0f}%" if r.get("cv") is not None else "-"
         speed = f"{r['speedup']:.1f}x" if r.get("speedup") is not None else "-"
-        line = (f"{r['name'][:20]:<20} {short_shape(r['shape'])[:22]:<22} {mode_of(r):<5} {fmt_us(r['ms']):>9} "
+        line = (f"{r['name'][:20]:<20} {short_shape(r['shape'])[:22]:<22} {mode_of(r).replace('unknown', '?'):<5} {fmt_us(r['ms']):>9} "
                 f"{cv:>4} {(r.get('baseline') or '-')[:14]:<14} {fmt_us(r.get('baseline_ms')):>9} {speed:>7}")
         lines.append(line[:width])
     return "\n".join(lines)
