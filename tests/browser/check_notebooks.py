@@ -86,13 +86,26 @@ def free_port() -> int:
 
 
 class Lab:
-    """JupyterLab on a free port with a token, in a throw-away settings/workspace folder."""
+    """JupyterLab on a free port with a token, in throw-away settings, workspace and notebook folders.
 
-    def __init__(self, root: Path, tmp: Path):
+    The notebooks are copies in ``tmp/work/notebooks`` (the checkout is on ``PYTHONPATH``), and
+    autosave is off, so a run never writes to the checkout's notebooks.
+    """
+
+    def __init__(self, root: Path, tmp: Path, notebooks=()):
         self.port, self.token = free_port(), secrets.token_hex(16)
+        work = tmp / "work"
+        (work / "notebooks").mkdir(parents=True)
+        for nb in notebooks:
+            shutil.copy(nb, work / "notebooks" / Path(nb).name)
+        settings = tmp / "settings" / "@jupyterlab" / "docmanager-extension"
+        settings.mkdir(parents=True)
+        (settings / "plugin.jupyterlab-settings").write_text(json.dumps({"autosave": False}))
         env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
+                   JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
                    JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), PYTHONUNBUFFERED="1")
+        root = work
         env.pop("MPLBACKEND", None)  # the kernel uses the inline backend, as a reader's would
         cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={self.port}", "--ip=127.0.0.1",
                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
@@ -166,7 +179,7 @@ class Checker:
         page = self.context.new_page()
         page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: console.append(f"page error: {e}"))
-        rel = path.resolve().relative_to(ROOT).as_posix()
+        rel = f"notebooks/{path.name}"
         t0 = time.monotonic()
         try:
             page.goto(f"{self.lab.url}/lab/tree/{rel}?token={self.lab.token}&reset", wait_until="load")
@@ -326,7 +339,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mm3lab-browser-") as tmp:
         tmp = Path(tmp)
-        lab = Lab(ROOT, tmp)
+        lab = Lab(ROOT, tmp, notebooks)
         try:
             with sync_playwright() as pw:
                 context = pw.chromium.launch_persistent_context(
