@@ -108,6 +108,10 @@ def plot_pattern_gallery(items: Sequence[tuple[object, Selection]], head: int = 
     axes = fig.subplots(1, len(items), squeeze=False)[0]
     for ax, (seq, selection) in zip(axes, items):
         _draw_heatmap(ax, selection, head, seq.needle_block, f"{seq.pattern} (head {head}, top-{selection.topk})")
+        ax.tick_params(labelsize=10)
+        ax.xaxis.label.set_fontsize(11)
+        ax.yaxis.label.set_fontsize(11)
+        ax.title.set_fontsize(11)
     return fig
 
 
@@ -140,7 +144,7 @@ def _draw_row(ax, selection: Selection, row: int, head: int, title: str) -> None
     valid = position // SPARSE_BLOCK_SIZE + 1
     raw = selection.scores[head, row, :valid].numpy().astype(float)
     finite = raw[np.isfinite(raw)]
-    floor = (finite.min() - 1.0) if finite.size else 0.0
+    floor = min(0.0, finite.min() - 1.0) if finite.size else 0.0  # bars start at 0 unless scores go below
     heights = np.where(np.isfinite(raw), raw, floor)
     ids = [b for b in selection.topk_idx[head, row].tolist() if b >= 0]
     forced = selection.forced_mask()[row].numpy()
