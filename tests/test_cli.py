@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from mm3lab import cli
+pytest.importorskip("jupyter_client")  # the tour's kernel client (a GPU-only environment may lack it)
+
+from mm3lab import cli  # noqa: E402
 from mm3lab.tour import run_tour
 
 

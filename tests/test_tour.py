@@ -7,7 +7,9 @@ import asyncio
 
 import pytest
 
-from mm3lab import cli
+pytest.importorskip("jupyter_client")  # the tour's kernel client (a GPU-only environment may lack it)
+
+from mm3lab import cli  # noqa: E402
 from mm3lab.tour import SlicedPollChannel, TourError, execute_notebook, repeat_report, repeat_tour
 
 nbformat = pytest.importorskip("nbformat")

@@ -297,7 +297,7 @@ def sparse_attention_kernel(
         INTERPRETED=backend.INTERPRETER, FP8=k_scale is not None,
         num_warps=4, num_stages=2,
     )
-    ks, vs = (k_scale, v_scale) if k_scale is not None else (sparse_ctx.view(1, 1, -1),) * 2
+    ks, vs = (k_scale, v_scale) if k_scale is not None else (sparse_bt, sparse_bt)  # never read without FP8
     args = (
         readable_pages(k_cache, v_cache), width, pages_per_split, scale * LOG2E,
         *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3],
