@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("jupyter_client")  # the tour's kernel client (a GPU-only environment may lack it)
 
 from mm3lab import cli  # noqa: E402
-from mm3lab.tour import run_tour
+from mm3lab.tour import run_tour  # noqa: E402
 
 
 def test_info_json(capsys):

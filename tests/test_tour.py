@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("jupyter_client")  # the tour's kernel client (a GPU-only environment may lack it)
 
 from mm3lab import cli  # noqa: E402
-from mm3lab.tour import SlicedPollChannel, TourError, execute_notebook, repeat_report, repeat_tour
+from mm3lab.tour import SlicedPollChannel, TourError, execute_notebook, repeat_report, repeat_tour  # noqa: E402
 
 nbformat = pytest.importorskip("nbformat")
 
