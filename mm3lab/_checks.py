@@ -12,6 +12,10 @@ Two kinds of check exist:
   read either way, so turning validation off can never cause an out-of-bounds
   access: it only trades a clear ``ValueError`` for mm3lab's defined fallback.
 
+Value checks cost one small launch and one host read per call
+(:mod:`mm3lab._valcheck`): every range check of the call is evaluated together
+into a few flags, and only a flagged call computes its detailed message.
+
 Errors name the argument (and, for value checks, the row).
 """
 
@@ -198,6 +202,17 @@ def check_block_page_stride(block_page_stride) -> int:
             f"block_page_stride: expected {dense} (dense planes) or {packed} (packed sides), got {block_page_stride}"
         )
     return block_page_stride
+
+
+def value_checks(segments, detail) -> None:
+    """Run a call's value checks: ``segments`` (:class:`mm3lab._valcheck.Segment`) in one launch and one
+    host read; only if one is flagged, ``detail()`` (the slow path, which may sync more) raises the
+    detailed ``ValueError``."""
+    from ._valcheck import any_bad
+
+    if any_bad(*segments):
+        detail()
+        raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
 
 
 def raise_first(checks) -> None:

@@ -1,7 +1,8 @@
 """Argument checks of ``sparse_attention``, shared by the kernel path and the reference.
 
 Structural checks always run. Value checks (context lengths, page ids) read the
-tables and run while validation is on; with it off, both paths apply the same
+tables (one small launch and one host read, :mod:`mm3lab._valcheck`) and run while
+validation is on; with it off, both paths apply the same
 defined fallback instead (see :func:`readable_pages` and :func:`clamp_ctx`).
 """
 
@@ -17,7 +18,9 @@ from .._checks import (
     check_scale,
     check_tensor,
     validation_enabled,
+    value_checks,
 )
+from .._valcheck import Segment
 from ..constants import PAGE_SIZE, PAGES_PER_SPARSE_BLOCK
 from ..fp8 import FP8_DTYPE
 from ..layout.views import PACKED_STRIDE, check_kv_scales, check_kv_views
@@ -36,6 +39,34 @@ def clamp_ctx(ctx: int, width: int) -> int:
 def _first(mask: torch.Tensor):
     idx = torch.nonzero(mask)
     return None if idx.numel() == 0 else tuple(int(i) for i in idx[0])
+
+
+def _detail(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride) -> None:
+    """The value checks one by one, with their messages (run only for a flagged call)."""
+    width = sparse_bt.shape[2]
+    bad = _first((sparse_ctx < 0) | (sparse_ctx > width * PAGE_SIZE))
+    if bad is not None:
+        raise ValueError(
+            f"sparse_ctx: (head {bad[0]}, row {bad[1]}) is {int(sparse_ctx[bad])}, outside "
+            f"[0, {width * PAGE_SIZE}] (the row's {width} pages of {PAGE_SIZE} tokens)"
+        )
+    used_pages = (sparse_ctx.long() + PAGE_SIZE - 1) // PAGE_SIZE  # [Hkv, N]
+    used = torch.arange(width, device=sparse_bt.device) < used_pages.unsqueeze(-1)  # [Hkv, N, W]
+    pages = readable_pages(k_cache, v_cache)
+    bad = _first(used & ((sparse_bt < 0) | (sparse_bt >= pages)))
+    if bad is not None:
+        raise ValueError(
+            f"sparse_bt: (head {bad[0]}, row {bad[1]}) entry {bad[2]} is page {int(sparse_bt[bad])}, "
+            f"outside the cache's {pages} readable pages"
+        )
+    if block_page_stride == PACKED_STRIDE:
+        bad = _first(used & (sparse_bt % PACKED_STRIDE >= PAGES_PER_SPARSE_BLOCK))
+        if bad is not None:
+            raise ValueError(
+                f"sparse_bt: (head {bad[0]}, row {bad[1]}) entry {bad[2]} is page {int(sparse_bt[bad])}, "
+                f"which in the packed layout is not a K page (ids are block * {PACKED_STRIDE} + j, "
+                f"j < {PAGES_PER_SPARSE_BLOCK}); was the table built with block_page_stride={PACKED_STRIDE}?"
+            )
 
 
 def check_sparse_attention(
@@ -75,27 +106,12 @@ def check_sparse_attention(
 
     if validation_enabled() and n:
         width = sparse_bt.shape[2]
-        bad = _first((sparse_ctx < 0) | (sparse_ctx > width * PAGE_SIZE))
-        if bad is not None:
-            raise ValueError(
-                f"sparse_ctx: (head {bad[0]}, row {bad[1]}) is {int(sparse_ctx[bad])}, outside "
-                f"[0, {width * PAGE_SIZE}] (the row's {width} pages of {PAGE_SIZE} tokens)"
-            )
-        used_pages = (sparse_ctx.long() + PAGE_SIZE - 1) // PAGE_SIZE  # [Hkv, N]
-        used = torch.arange(width, device=sparse_bt.device) < used_pages.unsqueeze(-1)  # [Hkv, N, W]
         pages = readable_pages(k_cache, v_cache)
-        bad = _first(used & ((sparse_bt < 0) | (sparse_bt >= pages)))
-        if bad is not None:
-            raise ValueError(
-                f"sparse_bt: (head {bad[0]}, row {bad[1]}) entry {bad[2]} is page {int(sparse_bt[bad])}, "
-                f"outside the cache's {pages} readable pages"
-            )
-        if block_page_stride == PACKED_STRIDE:
-            bad = _first(used & (sparse_bt % PACKED_STRIDE >= PAGES_PER_SPARSE_BLOCK))
-            if bad is not None:
-                raise ValueError(
-                    f"sparse_bt: (head {bad[0]}, row {bad[1]}) entry {bad[2]} is page {int(sparse_bt[bad])}, "
-                    f"which in the packed layout is not a K page (ids are block * {PACKED_STRIDE} + j, "
-                    f"j < {PAGES_PER_SPARSE_BLOCK}); was the table built with block_page_stride={PACKED_STRIDE}?"
-                )
+        packed = block_page_stride == PACKED_STRIDE
+        segments = [
+            Segment("all", sparse_ctx, lo=0, hi=width * PAGE_SIZE),
+            Segment("len", sparse_bt, lo=0, hi=pages - 1, aux=sparse_ctx, unit=PAGE_SIZE,
+                    modulus=PACKED_STRIDE if packed else 0, mod_limit=PAGES_PER_SPARSE_BLOCK),
+        ]
+        value_checks(segments, lambda: _detail(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride))
     return block_page_stride, scale

@@ -3,7 +3,8 @@
 Structural checks (ranks, shapes, dtypes, devices, ``out`` buffers) always run.
 Value checks (a block id past the block table, a position the table cannot
 hold, a request id out of range) read tensor contents and run only while
-``mm3lab.validation_enabled()``; they cost one device-to-host sync in all.
+``mm3lab.validation_enabled()``; they cost one small launch and one host read in
+all (:mod:`mm3lab._valcheck`); the detailed message is computed only for a bad call.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from .._checks import (
 from .._checks import check_block_page_stride as _check_stride
 from .._checks import check_int as _check_int
 from .._checks import raise_first as _raise_first
+from .._checks import value_checks as _value_checks
+from .._valcheck import Segment
 from ..constants import PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
 
 
@@ -96,7 +99,7 @@ def _blocks_used_prefill(req, pos, b: int, m: int):
 
 def check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out) -> None:
     """Validate ``build_sparse_block_table_decode``'s arguments (see its docstring)."""
-    h, n, k = _check_common(topk_idx, block_table, block_page_stride, out)
+    _h, n, k = _check_common(topk_idx, block_table, block_page_stride, out)
     b, m = block_table.shape
     check_index("seq_lens", seq_lens, shape=(b,))
     dql = _check_int("decode_query_len", decode_query_len, minimum=1)
@@ -109,26 +112,37 @@ def check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_s
     if not validation_enabled() or n == 0:
         return
     capacity = m * SPARSE_BLOCK_SIZE
-    seq_lens_long = seq_lens.to(torch.int64)
-    checks = [
-        (
-            seq_lens_long > capacity,
-            lambda r: (
-                f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
-                f"{m} blocks = {capacity} tokens"
-            ),
-        )
+    top = (2**31 - PAGES_PER_SPARSE_BLOCK) // block_page_stride
+    bottom = -(2**31) // block_page_stride
+    segments = [
+        Segment("all", seq_lens, hi=capacity),
+        Segment("all", topk_idx, hi=m - 1) if k else None,
+        Segment("len", block_table, lo=bottom, hi=top, aux=seq_lens, unit=SPARSE_BLOCK_SIZE) if m else None,
     ]
-    if k:
-        checks.append(_topk_past_table(topk_idx, m))
-    if m:
-        checks.append(_page_overflow(block_table, _blocks_used_decode(seq_lens, m), block_page_stride))
-    _raise_first(checks)
+
+    def detail() -> None:
+        seq_lens_long = seq_lens.to(torch.int64)
+        checks = [
+            (
+                seq_lens_long > capacity,
+                lambda r: (
+                    f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
+                    f"{m} blocks = {capacity} tokens"
+                ),
+            )
+        ]
+        if k:
+            checks.append(_topk_past_table(topk_idx, m))
+        if m:
+            checks.append(_page_overflow(block_table, _blocks_used_decode(seq_lens, m), block_page_stride))
+        _raise_first(checks)
+
+    _value_checks(segments, detail)
 
 
 def check_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride, out) -> None:
     """Validate ``build_sparse_block_table_prefill``'s arguments (see its docstring)."""
-    h, n, k = _check_common(topk_idx, block_table, block_page_stride, out)
+    _h, n, k = _check_common(topk_idx, block_table, block_page_stride, out)
     b, m = block_table.shape
     check_index("query_req_id", query_req_id, shape=(n,))
     check_index("query_abs_pos", query_abs_pos, shape=(n,))
@@ -138,27 +152,40 @@ def check_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page
     if not validation_enabled() or n == 0:
         return
     capacity = m * SPARSE_BLOCK_SIZE
-    pos = query_abs_pos.to(torch.int64)
-    req = query_req_id.to(torch.int64)
-    live = pos >= 0  # padded rows (negative position) may carry any request id
-    checks = [
-        (
-            live & ((req < 0) | (req >= b)),
-            lambda r: (
-                f"query_req_id: row {r} has request id {int(query_req_id[r])}, outside the block table's "
-                f"{b} requests [0, {b})"
-            ),
-        ),
-        (
-            pos >= capacity,
-            lambda r: (
-                f"query_abs_pos: row {r} has position {int(query_abs_pos[r])}, but a block_table row holds "
-                f"{m} blocks = {capacity} tokens"
-            ),
-        ),
+    top = (2**31 - PAGES_PER_SPARSE_BLOCK) // block_page_stride
+    bottom = -(2**31) // block_page_stride
+    segments = [
+        Segment("live", query_req_id, lo=0, hi=b - 1, aux=query_abs_pos),
+        Segment("all", query_abs_pos, hi=capacity - 1),
+        Segment("all", topk_idx, hi=m - 1) if k else None,
+        Segment("gather", block_table, lo=bottom, hi=top, aux=query_req_id, pos=query_abs_pos,
+                unit=SPARSE_BLOCK_SIZE) if m else None,
     ]
-    if k:
-        checks.append(_topk_past_table(topk_idx, m))
-    if m:
-        checks.append(_page_overflow(block_table, _blocks_used_prefill(req, pos, b, m), block_page_stride))
-    _raise_first(checks)
+
+    def detail() -> None:
+        pos = query_abs_pos.to(torch.int64)
+        req = query_req_id.to(torch.int64)
+        live = pos >= 0  # padded rows (negative position) may carry any request id
+        checks = [
+            (
+                live & ((req < 0) | (req >= b)),
+                lambda r: (
+                    f"query_req_id: row {r} has request id {int(query_req_id[r])}, outside the block table's "
+                    f"{b} requests [0, {b})"
+                ),
+            ),
+            (
+                pos >= capacity,
+                lambda r: (
+                    f"query_abs_pos: row {r} has position {int(query_abs_pos[r])}, but a block_table row holds "
+                    f"{m} blocks = {capacity} tokens"
+                ),
+            ),
+        ]
+        if k:
+            checks.append(_topk_past_table(topk_idx, m))
+        if m:
+            checks.append(_page_overflow(block_table, _blocks_used_prefill(req, pos, b, m), block_page_stride))
+        _raise_first(checks)
+
+    _value_checks(segments, detail)

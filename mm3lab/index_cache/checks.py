@@ -2,7 +2,8 @@
 
 Structural checks (ranks, the 128-token block, head dim, dtype, slot vector
 length, a contiguous head dim, one device) always run. The value check (a slot
-past the cache) reads ``slot_mapping`` and runs while validation is on; with it
+past the cache) reads ``slot_mapping`` (one small launch and one host read,
+:mod:`mm3lab._valcheck`) and runs while validation is on; with it
 off, such a slot is skipped by both paths, so nothing is ever written outside
 the cache.
 """
@@ -20,8 +21,10 @@ from .._checks import (
     first_bad_row,
     raise_first,
     validation_enabled,
+    value_checks,
 )
 from .._checks import dtype_name as _dtype_name
+from .._valcheck import Segment
 from ..constants import SPARSE_BLOCK_SIZE
 from ..fp8 import FP8_DTYPE
 
@@ -88,12 +91,16 @@ def check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale=Non
     check_same_device(index_cache=index_cache, index_k=index_k, slot_mapping=slot_mapping)
     if validation_enabled() and n:
         capacity = index_cache_slots(index_cache)
-        row = first_bad_row(slot_mapping >= capacity)
-        if row is not None:
-            raise ValueError(
-                f"slot_mapping: row {row} has slot {int(slot_mapping[row])}, past the index cache's "
-                f"{capacity} slots ({index_cache.shape[0]} blocks of {SPARSE_BLOCK_SIZE})"
-            )
+
+        def detail() -> None:
+            row = first_bad_row(slot_mapping >= capacity)
+            if row is not None:
+                raise ValueError(
+                    f"slot_mapping: row {row} has slot {int(slot_mapping[row])}, past the index cache's "
+                    f"{capacity} slots ({index_cache.shape[0]} blocks of {SPARSE_BLOCK_SIZE})"
+                )
+
+        value_checks([Segment("all", slot_mapping, hi=capacity - 1)], detail)
 
 
 def check_token_slots(block_table, query_req_id, query_abs_pos) -> None:
@@ -104,6 +111,17 @@ def check_token_slots(block_table, query_req_id, query_abs_pos) -> None:
     check_same_device(block_table=block_table, query_req_id=query_req_id, query_abs_pos=query_abs_pos)
     if not validation_enabled():  # (the value checks synchronize with the device)
         return
+    b, m = block_table.shape
+    segments = [
+        Segment("live", query_req_id, lo=0, hi=b - 1, aux=query_abs_pos),
+        Segment("live", query_abs_pos, hi=m * SPARSE_BLOCK_SIZE - 1, aux=query_abs_pos),
+        Segment("gather_last", block_table, lo=0, hi=MAX_SLOT_BLOCK - 1, aux=query_req_id, pos=query_abs_pos,
+                unit=SPARSE_BLOCK_SIZE) if m else None,
+    ]
+    value_checks(segments, lambda: _token_slots_detail(block_table, query_req_id, query_abs_pos))
+
+
+def _token_slots_detail(block_table, query_req_id, query_abs_pos) -> None:
     b, m = block_table.shape
     pos = query_abs_pos.to(torch.int64)
     req = query_req_id.to(torch.int64)

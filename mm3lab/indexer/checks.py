@@ -1,8 +1,9 @@
 """Argument checks of the indexer entry points, shared by the kernel path and the reference.
 
 Structural checks (ranks, shapes, dtypes, head dims, devices, the integer
-arguments) always run. Value checks read tensor contents (one device sync in
-all) and run while ``mm3lab.validation_enabled()``:
+arguments) always run. Value checks read tensor contents (one small launch and
+one host read in all, :mod:`mm3lab._valcheck`) and run while
+``mm3lab.validation_enabled()``:
 
 * a decode ``seq_len`` or a prefill position the block table cannot hold;
 * a prefill request id outside the block table (on a row that is not padded);
@@ -30,6 +31,8 @@ from .._checks import (  # noqa: F401  (check_block_page_stride, check_int re-ex
 )
 from .._checks import dtype_name as _dtype_name
 from .._checks import raise_first as _raise_first
+from .._checks import value_checks as _value_checks
+from .._valcheck import Segment
 from ..constants import SPARSE_BLOCK_SIZE
 from ..fp8 import FP8_DTYPE
 from ..index_cache.checks import check_index_cache, check_index_scale
@@ -93,45 +96,57 @@ def check_table_entries(block_table, req, pos, num_blocks: int, cache: str, seq_
     Raises ``ValueError`` for a live row whose request is outside the table (names
     ``query_req_id``), a position past the table (``seq_lens`` when given, else
     ``query_abs_pos``), or a table entry that a live row reads (logical blocks ``0 .. p // 128``
-    of its request) outside ``[0, num_blocks)`` (``block_table``). One device sync in all;
+    of its request) outside ``[0, num_blocks)`` (``block_table``). One launch and one host read in all;
     nothing runs with validation off (the kernels mask these reads).
     """
     if not validation_enabled() or pos.numel() == 0:
         return
     b, m = block_table.shape
     capacity = m * SPARSE_BLOCK_SIZE
-    pos64 = pos.to(torch.int64)
-    req64 = req.to(torch.int64)
-    live = pos64 >= 0
-    bad_req = live & ((req64 < 0) | (req64 >= b))
-    ok = live & ~bad_req & (pos64 < capacity)
-    blocks_used = torch.zeros(b, dtype=torch.int64, device=pos.device)
-    if b:
-        needed = torch.where(ok, pos64 // SPARSE_BLOCK_SIZE + 1, 0)
-        blocks_used.scatter_reduce_(0, torch.where(ok, req64, 0), needed, reduce="amax")
-    checks = [(bad_req, lambda r: (
-        f"query_req_id: row {r} has request id {int(req[r])}, outside the block table's {b} requests [0, {b})"
-    ))]
-    if seq_lens is not None:
-        lens = seq_lens.to(torch.int64)
-        checks.append((lens > capacity, lambda r: (
-            f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
-            f"{m} blocks = {capacity} tokens"
+    segments = [
+        Segment("live", req, lo=0, hi=b - 1, aux=pos),
+        Segment("all", seq_lens, hi=capacity) if seq_lens is not None else None,
+        Segment("live", pos, hi=capacity - 1, aux=pos),
+        Segment("gather", block_table, lo=0, hi=num_blocks - 1, aux=req, pos=pos, unit=SPARSE_BLOCK_SIZE)
+        if m else None,
+    ]
+
+    def detail() -> None:
+        pos64 = pos.to(torch.int64)
+        req64 = req.to(torch.int64)
+        live = pos64 >= 0
+        bad_req = live & ((req64 < 0) | (req64 >= b))
+        ok = live & ~bad_req & (pos64 < capacity)
+        blocks_used = torch.zeros(b, dtype=torch.int64, device=pos.device)
+        if b:
+            needed = torch.where(ok, pos64 // SPARSE_BLOCK_SIZE + 1, 0)
+            blocks_used.scatter_reduce_(0, torch.where(ok, req64, 0), needed, reduce="amax")
+        checks = [(bad_req, lambda r: (
+            f"query_req_id: row {r} has request id {int(req[r])}, outside the block table's {b} requests [0, {b})"
+        ))]
+        if seq_lens is not None:
+            lens = seq_lens.to(torch.int64)
+            checks.append((lens > capacity, lambda r: (
+                f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
+                f"{m} blocks = {capacity} tokens"
+            )))
+        checks.append((live & (pos64 >= capacity), lambda r: (
+            f"query_abs_pos: row {r} has position {int(pos[r])}, but a block_table row holds {m} blocks = "
+            f"{capacity} tokens"
         )))
-    checks.append((live & (pos64 >= capacity), lambda r: (
-        f"query_abs_pos: row {r} has position {int(pos[r])}, but a block_table row holds {m} blocks = {capacity} tokens"
-    )))
-    mask, _ = _table_entries_check(block_table, blocks_used, num_blocks)
+        mask, _ = _table_entries_check(block_table, blocks_used, num_blocks)
 
-    def entry_message(r: int) -> str:
-        col = int(torch.nonzero(mask[r])[0, 0])
-        return (
-            f"block_table: request {r}, logical block {col} maps to physical block {int(block_table[r, col])}, "
-            f"outside {cache}'s {num_blocks} blocks"
-        )
+        def entry_message(r: int) -> str:
+            col = int(torch.nonzero(mask[r])[0, 0])
+            return (
+                f"block_table: request {r}, logical block {col} maps to physical block {int(block_table[r, col])}, "
+                f"outside {cache}'s {num_blocks} blocks"
+            )
 
-    checks.append((mask, entry_message))
-    _raise_first(checks)
+        checks.append((mask, entry_message))
+        _raise_first(checks)
+
+    _value_checks(segments, detail)
 
 
 def check_decode(
@@ -153,18 +168,28 @@ def check_decode(
     if not validation_enabled() or n == 0:
         return
     capacity = m * SPARSE_BLOCK_SIZE
-    lens = seq_lens.to(torch.int64)
-    blocks_used = torch.div(lens.clamp(0, capacity) + SPARSE_BLOCK_SIZE - 1, SPARSE_BLOCK_SIZE, rounding_mode="floor")
-    _raise_first([
-        (
-            lens > capacity,
-            lambda r: (
-                f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
-                f"{m} blocks = {capacity} tokens"
+    num_blocks = index_cache.shape[0]
+    segments = [
+        Segment("all", seq_lens, hi=capacity),
+        Segment("len", block_table, lo=0, hi=num_blocks - 1, aux=seq_lens, unit=SPARSE_BLOCK_SIZE) if m else None,
+    ]
+
+    def detail() -> None:
+        lens = seq_lens.to(torch.int64)
+        blocks_used = torch.div(lens.clamp(0, capacity) + SPARSE_BLOCK_SIZE - 1, SPARSE_BLOCK_SIZE,
+                                rounding_mode="floor")
+        _raise_first([
+            (
+                lens > capacity,
+                lambda r: (
+                    f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
+                    f"{m} blocks = {capacity} tokens"
+                ),
             ),
-        ),
-        _table_entries_check(block_table, blocks_used, index_cache.shape[0]),
-    ])
+            _table_entries_check(block_table, blocks_used, num_blocks),
+        ])
+
+    _value_checks(segments, detail)
 
 
 def check_prefill(
@@ -184,27 +209,40 @@ def check_prefill(
     if not validation_enabled() or n == 0:
         return
     capacity = m * SPARSE_BLOCK_SIZE
-    pos = query_abs_pos.to(torch.int64)
-    req = query_req_id.to(torch.int64)
-    live = (pos >= 0) & (req >= 0) & (req < b)
-    blocks_needed = torch.where(live, torch.div(pos.clamp(0, capacity - 1), SPARSE_BLOCK_SIZE, rounding_mode="floor") + 1, 0)
-    blocks_used = torch.zeros(b, dtype=torch.int64, device=pos.device)
-    if b:
-        blocks_used.scatter_reduce_(0, torch.where(live, req, 0), blocks_needed, reduce="amax")
-    _raise_first([
-        (
-            (pos >= 0) & ((req < 0) | (req >= b)),
-            lambda r: (
-                f"query_req_id: row {r} has request id {int(query_req_id[r])}, outside the block table's "
-                f"{b} requests [0, {b})"
+    num_blocks = index_cache.shape[0]
+    segments = [
+        Segment("live", query_req_id, lo=0, hi=b - 1, aux=query_abs_pos),
+        Segment("all", query_abs_pos, hi=capacity - 1),
+        Segment("gather", block_table, lo=0, hi=num_blocks - 1, aux=query_req_id, pos=query_abs_pos,
+                unit=SPARSE_BLOCK_SIZE) if m else None,
+    ]
+
+    def detail() -> None:
+        pos = query_abs_pos.to(torch.int64)
+        req = query_req_id.to(torch.int64)
+        live = (pos >= 0) & (req >= 0) & (req < b)
+        blocks_needed = torch.where(
+            live, torch.div(pos.clamp(0, capacity - 1), SPARSE_BLOCK_SIZE, rounding_mode="floor") + 1, 0
+        )
+        blocks_used = torch.zeros(b, dtype=torch.int64, device=pos.device)
+        if b:
+            blocks_used.scatter_reduce_(0, torch.where(live, req, 0), blocks_needed, reduce="amax")
+        _raise_first([
+            (
+                (pos >= 0) & ((req < 0) | (req >= b)),
+                lambda r: (
+                    f"query_req_id: row {r} has request id {int(query_req_id[r])}, outside the block table's "
+                    f"{b} requests [0, {b})"
+                ),
             ),
-        ),
-        (
-            pos >= capacity,
-            lambda r: (
-                f"query_abs_pos: row {r} has position {int(query_abs_pos[r])}, but a block_table row holds "
-                f"{m} blocks = {capacity} tokens"
+            (
+                pos >= capacity,
+                lambda r: (
+                    f"query_abs_pos: row {r} has position {int(query_abs_pos[r])}, but a block_table row holds "
+                    f"{m} blocks = {capacity} tokens"
+                ),
             ),
-        ),
-        _table_entries_check(block_table, blocks_used, index_cache.shape[0]),
-    ])
+            _table_entries_check(block_table, blocks_used, num_blocks),
+        ])
+
+    _value_checks(segments, detail)

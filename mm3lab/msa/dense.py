@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_index, check_int, check_same_device
+from .._checks import check_index, check_int, check_same_device, validation
 from ..attention import sparse_attention
 from ..block_table import build_sparse_block_table_decode, build_sparse_block_table_prefill
 from ..indexer.checks import check_table_entries
@@ -49,15 +49,16 @@ def dense_decode(
     check_same_device(q=q, block_table=block_table, seq_lens=seq_lens)
     req, pos = decode_query_rows(seq_lens, decode_query_len)
     check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache", seq_lens)
-    slots = _prepare_inserts(
-        q, key, value, None, k_cache, v_cache, None, block_table, req, pos, scale=scale, table_checked=True
-    )
-    write_kv_page16(key, value, k_cache, v_cache, slots)
-    topk_idx = _all_blocks(k_cache.shape[2], q.shape[0], block_table)
-    sparse_bt, sparse_ctx = build_sparse_block_table_decode(
-        topk_idx, block_table, seq_lens, decode_query_len, block_page_stride
-    )
-    out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
+    with validation(False):  # values checked above in one read (check_table_entries): not again
+        slots = _prepare_inserts(
+            q, key, value, None, k_cache, v_cache, None, block_table, req, pos, scale=scale, table_checked=True
+        )
+        write_kv_page16(key, value, k_cache, v_cache, slots)
+        topk_idx = _all_blocks(k_cache.shape[2], q.shape[0], block_table)
+        sparse_bt, sparse_ctx = build_sparse_block_table_decode(
+            topk_idx, block_table, seq_lens, decode_query_len, block_page_stride
+        )
+        out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
     if not return_intermediates:
         return out
     return out, MSAStep(req, pos, slots, None, topk_idx, sparse_bt, sparse_ctx, lse)
@@ -74,11 +75,15 @@ def dense_prefill(
     check_index("query_req_id", query_req_id, shape=(query_abs_pos.shape[0],))
     check_same_device(q=q, block_table=block_table, query_req_id=query_req_id, query_abs_pos=query_abs_pos)
     req, pos = query_req_id, query_abs_pos
-    slots = _prepare_inserts(q, key, value, None, k_cache, v_cache, None, block_table, req, pos, scale=scale)
-    write_kv_page16(key, value, k_cache, v_cache, slots)
-    topk_idx = _all_blocks(k_cache.shape[2], q.shape[0], block_table)
-    sparse_bt, sparse_ctx = build_sparse_block_table_prefill(topk_idx, block_table, req, pos, block_page_stride)
-    out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
+    check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache")
+    with validation(False):  # values checked in one read (check_table_entries): not again
+        slots = _prepare_inserts(
+            q, key, value, None, k_cache, v_cache, None, block_table, req, pos, scale=scale, table_checked=True
+        )
+        write_kv_page16(key, value, k_cache, v_cache, slots)
+        topk_idx = _all_blocks(k_cache.shape[2], q.shape[0], block_table)
+        sparse_bt, sparse_ctx = build_sparse_block_table_prefill(topk_idx, block_table, req, pos, block_page_stride)
+        out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
     if not return_intermediates:
         return out
     return out, MSAStep(req, pos, slots, None, topk_idx, sparse_bt, sparse_ctx, lse)

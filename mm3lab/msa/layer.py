@@ -228,20 +228,23 @@ def msa_decode(
         index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks
     )
     req, pos, slots = _decode_rows_and_slots(block_table, seq_lens, decode_query_len)
-    slots = _prepare_inserts(
-        q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale, table_checked=True,
-        slots=slots,
-    )
-    _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
-    with validation(False):  # checked above (check_indexer_decode): not again
+    # The values were checked above, in one launch and one host read (check_indexer_decode): the
+    # slots and the tables the later steps build from them are inside the caches, so the steps'
+    # own value checks do not run again (their structural checks do).
+    with validation(False):
+        slots = _prepare_inserts(
+            q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale,
+            table_checked=True, slots=slots,
+        )
+        _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
         topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_decode(
             index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
             block_page_stride,
         )
-    out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
-    if not return_intermediates:
-        return out
-    scores = index_scores_decode(index_q, index_cache, block_table, seq_lens, decode_query_len)
+        out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
+        if not return_intermediates:
+            return out
+        scores = index_scores_decode(index_q, index_cache, block_table, seq_lens, decode_query_len)
     return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)
 
 
@@ -283,17 +286,17 @@ def msa_prefill(
     req, pos = query_req_id, query_abs_pos
     slots = torch.empty(pos.shape[0], dtype=torch.int64, device=pos.device)
     rows_and_slots(block_table, req, pos, slots)
-    slots = _prepare_inserts(
-        q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale, table_checked=True,
-        slots=slots,
-    )
-    _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
-    with validation(False):  # checked above (check_indexer_prefill): not again
+    with validation(False):  # values checked above in one read (check_indexer_prefill): not again
+        slots = _prepare_inserts(
+            q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale,
+            table_checked=True, slots=slots,
+        )
+        _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
         topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_prefill(
             index_q, index_cache, block_table, req, pos, topk, init_blocks, local_blocks, block_page_stride
         )
-    out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
-    if not return_intermediates:
-        return out
-    scores = index_scores_prefill(index_q, index_cache, block_table, req, pos)
+        out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
+        if not return_intermediates:
+            return out
+        scores = index_scores_prefill(index_q, index_cache, block_table, req, pos)
     return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)

@@ -1,0 +1,343 @@
+"""Value checks of one call fused into one small launch and one host read (SPEC section 7).
+
+A value check reads tensor contents (an id past a table, a position the table
+cannot hold); on a GPU every separate check would be several small launches and a
+device-to-host sync. Here a call describes all its value checks as
+:class:`Segment` s (metadata only, no device work), and :func:`any_bad` evaluates
+them together into a small int32 flag buffer (one flag per segment range check and
+one per segment modulus check) with one launch, then reads the flags back once. Only
+when a flag is set does the caller compute its detailed message (the slow path,
+which may cost more syncs: it runs once, on the way to an exception).
+
+A segment checks the entries of an integer tensor ``t`` seen as ``R`` rows of
+``C`` columns against ``[lo, hi]`` (and, optionally, ``v mod modulus < mod_limit``),
+restricted to the entries its ``kind`` says a call reads:
+
+``"all"``
+    every entry of ``t`` (1-d, 2-d or 3-d, any strides; 3-d is ``[H, N, C]``).
+``"len"``
+    row ``r`` of ``t`` (``[R, C]`` or ``[H, N, C]``) up to column
+    ``ceil(clamp(aux[r], 0, C * unit) / unit)`` (``aux`` has ``t``'s shape without its last dimension):
+    the pages a ``sparse_ctx`` reads, the blocks a ``seq_len`` reads.
+``"live"``
+    the entries of a vector ``t`` whose ``aux`` entry (a position) is ``>= 0``.
+``"gather"`` / ``"gather_last"``
+    ``t`` is a block table ``[B, M]``; query row ``n`` with ``req = aux[n]``, ``p = pos[n]``
+    (live when ``p >= 0`` and ``0 <= req < B``) reads row ``req`` from column 0 (``"gather"``)
+    or only at column ``min(p, M * unit - 1) // unit`` (``"gather_last"``).
+
+On a CUDA tensor the check is one Triton launch (:func:`_valcheck_kernel`); on a CPU
+tensor the same flags come from a few PyTorch ops (Triton's interpreter takes about a
+millisecond per program; :func:`kernel_on_cpu` forces the kernel there, for tests).
+:func:`stats` counts check launches and host reads, so tests can assert at most one
+read per public call (and none with validation off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from . import backend
+
+__all__ = ["Segment", "any_bad", "flags", "kernel_on_cpu", "reset_stats", "stats"]
+
+KINDS = ("all", "len", "live", "gather", "gather_last")
+_MODE = {kind: i + 1 for i, kind in enumerate(KINDS)}
+MAX_SEGMENTS = 4
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+
+_stats = {"launches": 0, "host_reads": 0}
+_kernel_on_cpu = False
+
+
+def stats() -> dict:
+    """``{"launches": ..., "host_reads": ...}`` since the last :func:`reset_stats` (value checks only)."""
+    return dict(_stats)
+
+
+def reset_stats() -> None:
+    for key in _stats:
+        _stats[key] = 0
+
+
+@contextlib.contextmanager
+def kernel_on_cpu(enabled: bool = True):
+    """Run the Triton check kernel (interpreted) on CPU tensors too, instead of the PyTorch evaluation."""
+    global _kernel_on_cpu
+    previous = _kernel_on_cpu
+    _kernel_on_cpu = bool(enabled)
+    try:
+        yield
+    finally:
+        _kernel_on_cpu = previous
+
+
+@dataclasses.dataclass
+class Segment:
+    """One range check of a call (see the module docstring); building one does no device work."""
+
+    kind: str
+    t: torch.Tensor
+    lo: int | None = None
+    hi: int | None = None
+    aux: torch.Tensor | None = None
+    pos: torch.Tensor | None = None
+    unit: int = 1
+    modulus: int = 0
+    mod_limit: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: expected one of {KINDS}, got {self.kind!r}")
+
+
+# ----------------------------------------------------------------------------
+# the kernel
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _segment(
+    flags_ptr, pid, t_ptr, n1, s0, s1, s2, R, C, aux_ptr, a0, a1, pos_ptr, p0, unit, lo, hi, modulus, mod_limit, flag,
+    MODE: tl.constexpr, HAS_MOD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rok = rows < R
+    if MODE == 4 or MODE == 5:  # rows of a block table (n1 = its B rows) reached through (req, pos)
+        req = tl.load(aux_ptr + rows * a0, mask=rok, other=-1).to(tl.int64)
+        p = tl.load(pos_ptr + rows * p0, mask=rok, other=-1).to(tl.int64)
+        live = rok & (p >= 0) & (req >= 0) & (req < n1)
+        last = tl.minimum(p, C * unit - 1) // unit
+        roff = tl.where(live, req, 0) * s0
+        limit = tl.where(live, last + 1, 0)
+    else:
+        roff = (rows // n1) * s0 + (rows % n1) * s1
+        if MODE == 2:  # columns used: ceil(clamp(len, 0, C * unit) / unit)
+            ln = tl.load(aux_ptr + (rows // n1) * a0 + (rows % n1) * a1, mask=rok, other=0).to(tl.int64)
+            ln = tl.minimum(tl.maximum(ln, 0), C * unit)
+            limit = tl.where(rok, (ln + unit - 1) // unit, 0)
+        elif MODE == 3:  # live rows: aux (a position) >= 0
+            lv = tl.load(aux_ptr + rows * a0, mask=rok, other=-1).to(tl.int64)
+            limit = tl.where(rok & (lv >= 0), C, 0).to(tl.int64)
+        else:
+            limit = tl.where(rok, C, 0).to(tl.int64)
+    if MODE == 5:  # only the last column a row reads
+        col = tl.where(live, last, 0)
+        v1 = tl.load(t_ptr + roff + col * s2, mask=live, other=0).to(tl.int64)
+        total = tl.sum((live & ((v1 < lo) | (v1 > hi))).to(tl.int32), axis=0)
+        total_mod = total * 0
+    else:
+        nbad = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.int32)
+        nmod = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.int32)
+        c0 = 0
+        while c0 < C:  # (a while loop: Triton's interpreter cannot run range() with runtime bounds)
+            cols = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
+            m = cols[None, :] < limit[:, None]
+            v = tl.load(t_ptr + roff[:, None] + cols[None, :] * s2, mask=m, other=0).to(tl.int64)
+            nbad += (m & ((v < lo) | (v > hi))).to(tl.int32)
+            if HAS_MOD:
+                nmod += (m & ((v % modulus + modulus) % modulus >= mod_limit)).to(tl.int32)
+            c0 += BLOCK_C
+        total = tl.sum(tl.sum(nbad, axis=1), axis=0)
+        total_mod = tl.sum(tl.sum(nmod, axis=1), axis=0)
+    tl.atomic_max(flags_ptr + flag, tl.where(total > 0, 1, 0))
+    if HAS_MOD:
+        tl.atomic_max(flags_ptr + flag + 1, tl.where(total_mod > 0, 1, 0))
+
+
+_SEG_ARGS = ("t", "n1", "s0", "s1", "s2", "R", "C", "aux", "a0", "a1", "pos", "p0", "unit", "lo", "hi", "mod", "modl",
+             "flag")
+_INT_ARGS = [f"{name}{i}" for i in range(MAX_SEGMENTS) for name in _SEG_ARGS if name not in ("t", "aux", "pos")]
+
+
+@triton.jit(do_not_specialize=_INT_ARGS)
+def _valcheck_kernel(
+    flags_ptr,
+    t0, n10, s00, s10, s20, R0, C0, aux0, a00, a10, pos0, p00, unit0, lo0, hi0, mod0, modl0, flag0,
+    t1, n11, s01, s11, s21, R1, C1, aux1, a01, a11, pos1, p01, unit1, lo1, hi1, mod1, modl1, flag1,
+    t2, n12, s02, s12, s22, R2, C2, aux2, a02, a12, pos2, p02, unit2, lo2, hi2, mod2, modl2, flag2,
+    t3, n13, s03, s13, s23, R3, C3, aux3, a03, a13, pos3, p03, unit3, lo3, hi3, mod3, modl3, flag3,
+    MODE0: tl.constexpr, MODE1: tl.constexpr, MODE2: tl.constexpr, MODE3: tl.constexpr,
+    HM0: tl.constexpr, HM1: tl.constexpr, HM2: tl.constexpr, HM3: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if MODE0 != 0:
+        _segment(flags_ptr, pid, t0, n10, s00, s10, s20, R0, C0, aux0, a00, a10, pos0, p00, unit0, lo0, hi0, mod0,
+                 modl0, flag0, MODE0, HM0, BLOCK_R, BLOCK_C)
+    if MODE1 != 0:
+        _segment(flags_ptr, pid, t1, n11, s01, s11, s21, R1, C1, aux1, a01, a11, pos1, p01, unit1, lo1, hi1, mod1,
+                 modl1, flag1, MODE1, HM1, BLOCK_R, BLOCK_C)
+    if MODE2 != 0:
+        _segment(flags_ptr, pid, t2, n12, s02, s12, s22, R2, C2, aux2, a02, a12, pos2, p02, unit2, lo2, hi2, mod2,
+                 modl2, flag2, MODE2, HM2, BLOCK_R, BLOCK_C)
+    if MODE3 != 0:
+        _segment(flags_ptr, pid, t3, n13, s03, s13, s23, R3, C3, aux3, a03, a13, pos3, p03, unit3, lo3, hi3, mod3,
+                 modl3, flag3, MODE3, HM3, BLOCK_R, BLOCK_C)
+
+
+_BLOCK_R = 32
+_BLOCK_C = 32
+
+
+def _as_rows(t: torch.Tensor):
+    """``(t, n1, s0, s1, s2, R, C)``: row ``r`` of ``t`` at ``(r // n1) * s0 + (r % n1) * s1``, column stride ``s2``."""
+    if t.dim() == 0 or t.dim() > 3:
+        t = t.reshape(-1)
+    if t.dim() == 1:
+        return t, max(t.shape[0], 1), 0, t.stride(0), 0, t.shape[0], 1
+    if t.dim() == 2:
+        return t, max(t.shape[0], 1), 0, t.stride(0), t.stride(1), t.shape[0], t.shape[1]
+    h, n, c = t.shape
+    return t, max(n, 1), t.stride(0), t.stride(1), t.stride(2), h * n, c
+
+
+def _aux_strides(seg: Segment) -> tuple[int, int]:
+    aux = seg.aux
+    if aux.dim() == 2:
+        return aux.stride(0), aux.stride(1)
+    return 0, aux.stride(0)
+
+
+def _kernel_args(seg: Segment, flag: int, dummy: torch.Tensor) -> tuple[list, int, bool, int]:
+    lo = I64_MIN if seg.lo is None else seg.lo
+    hi = I64_MAX if seg.hi is None else seg.hi
+    if seg.kind in ("gather", "gather_last"):
+        bt = seg.t
+        b, m = bt.shape
+        rows = seg.aux.shape[0]
+        # n1 carries B here (the live test is req < n1)
+        args = [bt, b, bt.stride(0), 0, bt.stride(1), seg.aux.shape[0], m,
+                seg.aux, seg.aux.stride(0), 0, seg.pos, seg.pos.stride(0)]
+    else:
+        t, n1, s0, s1, s2, rows, c = _as_rows(seg.t)
+        if seg.kind == "len":
+            a0, a1 = _aux_strides(seg)
+            aux = seg.aux
+        elif seg.kind == "live":
+            a0, a1, aux = seg.aux.stride(0), 0, seg.aux
+        else:
+            a0, a1, aux = 0, 0, dummy
+        args = [t, n1, s0, s1, s2, rows, c, aux, a0, a1, dummy, 0]
+    args += [max(seg.unit, 1), lo, hi, max(seg.modulus, 1), seg.mod_limit, flag]
+    return args, _MODE[seg.kind], seg.modulus > 0, args[5]
+
+
+def _run_kernel(segments: list[Segment], flags_buf: torch.Tensor) -> None:
+    dummy = flags_buf
+    all_args, modes, has_mod = [], [], []
+    rows = 1
+    for i in range(MAX_SEGMENTS):
+        if i < len(segments):
+            args, mode, hm, r = _kernel_args(segments[i], 2 * i, dummy)
+            rows = max(rows, r)
+        else:
+            args, mode, hm = [dummy, 1, 0, 0, 0, 0, 0, dummy, 0, 0, dummy, 0, 1, 0, 0, 1, 0, 0], 0, False
+        all_args += args
+        modes.append(mode)
+        has_mod.append(hm)
+    grid = (triton.cdiv(rows, _BLOCK_R),)
+    _valcheck_kernel[grid](
+        flags_buf, *all_args, *modes, *has_mod, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+    )
+
+
+# ----------------------------------------------------------------------------
+# the PyTorch evaluation (same flags)
+# ----------------------------------------------------------------------------
+
+
+def _range_bad(v: torch.Tensor, seg: Segment) -> torch.Tensor:
+    bad = torch.zeros(v.shape, dtype=torch.bool, device=v.device)
+    if seg.lo is not None:
+        bad |= v < seg.lo
+    if seg.hi is not None:
+        bad |= v > seg.hi
+    return bad
+
+
+def _torch_flags(seg: Segment) -> list[torch.Tensor]:
+    """``[range_bad.any(), mod_bad.any()]`` of one segment (0-d bool tensors, no host read)."""
+    kind = seg.kind
+    if kind in ("gather", "gather_last"):
+        bt = seg.t.to(torch.int64)
+        b, m = bt.shape
+        req, p = seg.aux.to(torch.int64), seg.pos.to(torch.int64)
+        live = (p >= 0) & (req >= 0) & (req < b)
+        if m == 0 or b == 0 or p.numel() == 0:
+            none = torch.zeros((), dtype=torch.bool, device=bt.device)
+            return [none, none]
+        last = p.clamp(max=m * seg.unit - 1) // seg.unit
+        r = torch.where(live, req, 0)
+        if kind == "gather_last":
+            v = bt[r, torch.where(live, last, 0)]
+            mask = live
+        else:
+            v = bt[r]
+            mask = live[:, None] & (torch.arange(m, device=bt.device)[None, :] <= last[:, None])
+    else:
+        v = seg.t.to(torch.int64)
+        if v.dim() == 0 or v.dim() > 3:
+            v = v.reshape(-1)
+        if kind == "len":
+            c = v.shape[-1]
+            ln = seg.aux.to(torch.int64).clamp(0, c * seg.unit)
+            used = torch.div(ln + seg.unit - 1, seg.unit, rounding_mode="floor")
+            mask = torch.arange(c, device=v.device) < used.unsqueeze(-1)
+        elif kind == "live":
+            mask = seg.aux >= 0
+        else:
+            mask = torch.ones(v.shape, dtype=torch.bool, device=v.device)
+    out = [(mask & _range_bad(v, seg)).any()]
+    if seg.modulus > 0:
+        out.append((mask & (torch.remainder(v, seg.modulus) >= seg.mod_limit)).any())
+    else:
+        out.append(torch.zeros((), dtype=torch.bool, device=v.device))
+    return out
+
+
+# ----------------------------------------------------------------------------
+# the entry point
+# ----------------------------------------------------------------------------
+
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    if t.is_cuda:
+        return backend.use_kernel(t)
+    return _kernel_on_cpu and backend.INTERPRETER and backend.get_backend() != "torch"
+
+
+def _empty(seg: Segment) -> bool:
+    """A segment that reads nothing (and whose tensors may have no storage to point at)."""
+    return seg.t.numel() == 0 or (seg.aux is not None and seg.aux.numel() == 0)
+
+
+def flags(*segments: Segment) -> list[int]:
+    """``[range_bad_0, mod_bad_0, range_bad_1, mod_bad_1, ...]`` (0 or 1): one launch and one host read.
+
+    Every segment's tensors must be on one device (checked by the callers' structural checks).
+    """
+    segments = [s for s in segments if s is not None and not _empty(s)]
+    if not segments:
+        return []
+    if len(segments) > MAX_SEGMENTS:
+        raise ValueError(f"segments: at most {MAX_SEGMENTS} per launch, got {len(segments)}")
+    device = segments[0].t.device
+    _stats["launches"] += 1
+    _stats["host_reads"] += 1
+    if _use_kernel(segments[0].t):
+        buf = torch.zeros(2 * MAX_SEGMENTS, dtype=torch.int32, device=device)
+        _run_kernel(segments, buf)
+        return buf.tolist()[: 2 * len(segments)]
+    parts = [f for seg in segments for f in _torch_flags(seg)]
+    return [int(x) for x in torch.stack(parts).tolist()]
+
+
+def any_bad(*segments: Segment) -> bool:
+    """Whether any segment holds a bad entry (one launch, one host read); see :func:`flags`."""
+    return any(flags(*segments))
