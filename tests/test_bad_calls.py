@@ -15,7 +15,7 @@ the table cannot hold, NaN-filled and aliased buffers, ``out=(buf, None)``, ...)
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -38,17 +38,17 @@ def _layer(device, *, nan_caches=False, layout="dense"):
 
     cache = mm3lab.allocate_kv_cache(6, 1, 16, layout, device=device, fill=float("nan") if nan_caches else 0.0)
     index_cache = torch.full((6, 128, 16), float("nan") if nan_caches else 0.0, device=device)
-    return dict(
-        q=randn(2, 16, 16), key=randn(2, 1, 16), value=randn(2, 1, 16),
-        index_q=randn(2, 1, 16), index_k=randn(2, 16),
-        k_cache=cache.k_cache, v_cache=cache.v_cache, index_cache=index_cache,
-        block_table=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([200, 300], dtype=torch.int32, device=device),
-        query_req_id=torch.tensor([0, 1], dtype=torch.int32, device=device),
-        query_abs_pos=torch.tensor([199, 299], dtype=torch.int32, device=device),
-        topk_idx=torch.tensor([[[1, 0], [2, 0]]], dtype=torch.int32, device=device),
-        scores=randn(3, 5),
-    )
+    return {
+        "q": randn(2, 16, 16), "key": randn(2, 1, 16), "value": randn(2, 1, 16),
+        "index_q": randn(2, 1, 16), "index_k": randn(2, 16),
+        "k_cache": cache.k_cache, "v_cache": cache.v_cache, "index_cache": index_cache,
+        "block_table": torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device=device),
+        "seq_lens": torch.tensor([200, 300], dtype=torch.int32, device=device),
+        "query_req_id": torch.tensor([0, 1], dtype=torch.int32, device=device),
+        "query_abs_pos": torch.tensor([199, 299], dtype=torch.int32, device=device),
+        "topk_idx": torch.tensor([[[1, 0], [2, 0]]], dtype=torch.int32, device=device),
+        "scores": randn(3, 5),
+    }
 
 
 @dataclasses.dataclass
@@ -63,7 +63,7 @@ class Entry:
     ints: dict = dataclasses.field(default_factory=dict)  # int keyword -> (minimum, maximum or None)
 
 
-MSA_KW = dict(topk=2, decode_query_len=1, init_blocks=0, local_blocks=1)
+MSA_KW = {"topk": 2, "decode_query_len": 1, "init_blocks": 0, "local_blocks": 1}
 CACHES = ("k_cache", "v_cache", "index_cache")
 
 ENTRIES = [
@@ -74,10 +74,10 @@ ENTRIES = [
     Entry("msa_prefill", mm3lab.msa_prefill,
           ("q", "key", "value", "index_q", "index_k", "k_cache", "v_cache", "index_cache", "block_table",
            "query_req_id", "query_abs_pos"),
-          dict(topk=2, init_blocks=0, local_blocks=1), CACHES,
+          {"topk": 2, "init_blocks": 0, "local_blocks": 1}, CACHES,
           {"topk": (1, None), "init_blocks": (0, None), "local_blocks": (0, None)}),
     Entry("dense_decode", mm3lab.dense_decode,
-          ("q", "key", "value", "k_cache", "v_cache", "block_table", "seq_lens"), dict(decode_query_len=1),
+          ("q", "key", "value", "k_cache", "v_cache", "block_table", "seq_lens"), {"decode_query_len": 1},
           ("k_cache", "v_cache"), {"decode_query_len": (1, None)}),
     Entry("dense_prefill", mm3lab.dense_prefill,
           ("q", "key", "value", "k_cache", "v_cache", "block_table", "query_req_id", "query_abs_pos"), {},
@@ -93,29 +93,29 @@ ENTRIES = [
     Entry("token_slots", mm3lab.token_slots, ("block_table", "query_req_id", "query_abs_pos"), {}),
     Entry("reference.token_slots", reference.token_slots, ("block_table", "query_req_id", "query_abs_pos"), {}),
     Entry("index_topk_decode", mm3lab.index_topk_decode, ("index_q", "index_cache", "block_table", "seq_lens"),
-          dict(topk=2, decode_query_len=1, init_blocks=0, local_blocks=1), (),
+          {"topk": 2, "decode_query_len": 1, "init_blocks": 0, "local_blocks": 1}, (),
           {"topk": (1, None), "decode_query_len": (1, None), "init_blocks": (0, None), "local_blocks": (0, None)}),
     Entry("reference.index_topk_decode", reference.index_topk_decode,
           ("index_q", "index_cache", "block_table", "seq_lens"),
-          dict(topk=2, decode_query_len=1, init_blocks=0, local_blocks=1), (),
+          {"topk": 2, "decode_query_len": 1, "init_blocks": 0, "local_blocks": 1}, (),
           {"topk": (1, None), "decode_query_len": (1, None), "init_blocks": (0, None), "local_blocks": (0, None)}),
     Entry("index_topk_block_table_prefill", mm3lab.index_topk_block_table_prefill,
           ("index_q", "index_cache", "block_table", "query_req_id", "query_abs_pos"),
-          dict(topk=2, init_blocks=0, local_blocks=1, block_page_stride=8), (),
+          {"topk": 2, "init_blocks": 0, "local_blocks": 1, "block_page_stride": 8}, (),
           {"topk": (1, None), "init_blocks": (0, None), "local_blocks": (0, None)}),
     Entry("index_scores_prefill", mm3lab.index_scores_prefill,
           ("index_q", "index_cache", "block_table", "query_req_id", "query_abs_pos"),
-          dict(init_blocks=0, local_blocks=1), (), {"init_blocks": (0, None), "local_blocks": (0, None)}),
+          {"init_blocks": 0, "local_blocks": 1}, (), {"init_blocks": (0, None), "local_blocks": (0, None)}),
     Entry("build_sparse_block_table_decode", mm3lab.build_sparse_block_table_decode,
-          ("topk_idx", "block_table", "seq_lens"), dict(decode_query_len=1, block_page_stride=8), (),
+          ("topk_idx", "block_table", "seq_lens"), {"decode_query_len": 1, "block_page_stride": 8}, (),
           {"decode_query_len": (1, None)}),
     Entry("reference.build_sparse_block_table_prefill", reference.build_sparse_block_table_prefill,
-          ("topk_idx", "block_table", "query_req_id", "query_abs_pos"), dict(block_page_stride=8)),
+          ("topk_idx", "block_table", "query_req_id", "query_abs_pos"), {"block_page_stride": 8}),
     Entry("vllm.build_sparse_block_table_decode", vllm.minimax_m3_build_sparse_block_table_decode,
-          ("topk_idx", "block_table", "seq_lens"), dict(decode_query_len=1, block_page_stride=8), (),
+          ("topk_idx", "block_table", "seq_lens"), {"decode_query_len": 1, "block_page_stride": 8}, (),
           {"decode_query_len": (1, None)}),
-    Entry("topk_blocks", mm3lab.topk_blocks, ("scores",), dict(topk=2), (), {"topk": (1, None)}),
-    Entry("reference.topk_blocks", reference.topk_blocks, ("scores",), dict(topk=2), (), {"topk": (1, None)}),
+    Entry("topk_blocks", mm3lab.topk_blocks, ("scores",), {"topk": 2}, (), {"topk": (1, None)}),
+    Entry("reference.topk_blocks", reference.topk_blocks, ("scores",), {"topk": 2}, (), {"topk": (1, None)}),
     Entry("rebase_block_table_to_page16", mm3lab.rebase_block_table_to_page16, ("block_table",), {}),
     Entry("vllm.rebase_block_table_to_page16", vllm.minimax_m3_rebase_block_table_to_page16, ("block_table",), {}),
     Entry("rebase_slot_mapping_to_page16", mm3lab.rebase_slot_mapping_to_page16, ("query_abs_pos",), {}),
@@ -367,3 +367,19 @@ def test_bad_call_is_rejected_before_it_writes(case, device):
 
 def test_the_table_is_large():
     assert len(CASES) >= 300
+
+
+VALUE_CASES = [c for c in HAND if c.exc is ValueError]
+
+
+@pytest.mark.parametrize("case", VALUE_CASES, ids=[c.id for c in VALUE_CASES])
+def test_bad_value_found_by_the_check_kernel(case):
+    """The same rejections when the fused value-check kernel (interpreted) does the checking on the CPU."""
+    from mm3lab import _valcheck
+
+    e, args, kwargs, buffers = _prepare(case, "cpu")
+    before = _snapshot(buffers)
+    with _valcheck.kernel_on_cpu(), pytest.raises(case.exc) as info:
+        e.fn(*args.values(), **kwargs)
+    assert case.names in str(info.value), f"message does not name {case.names!r}: {info.value}"
+    assert _snapshot(buffers) == before, "a rejected call changed a buffer it was given"

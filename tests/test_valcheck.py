@@ -1,0 +1,194 @@
+"""Cheap validation (SPEC section 7): a call's value checks cost one launch and one host read.
+
+* the Triton check kernel (interpreted here, compiled on a GPU) and the PyTorch evaluation give
+  the same flags over random segments of every kind;
+* every public entry point with value checks does at most one check launch and one host read
+  per call with validation on, and none with it off (``mm3lab._valcheck.stats()``);
+* bad values are still rejected, with the detailed message, when the kernel does the check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_bad_calls import ENTRY, _layer
+
+import mm3lab
+from mm3lab import _valcheck, reference
+from mm3lab._valcheck import Segment
+from mm3lab.compat import vllm
+
+# --- the kernel gives the PyTorch evaluation's flags -------------------------------------------
+
+
+def _ints(g, lo, hi, *shape, dtype=torch.int32):
+    return torch.randint(lo, hi, shape, generator=g, dtype=dtype)
+
+
+def _segments(seed: int, bad: float):
+    """Random segments of every kind; ``bad`` widens the value ranges past the bounds."""
+    g = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    b, m, n = (int(x) for x in torch.randint(0, 5, (1,), generator=gen).tolist() + torch.randint(
+        0, 40, (2,), generator=gen).tolist())
+    over = int(bad * 8)
+    bt = _ints(g, -over, 10 + over, b, m)
+    req = _ints(g, -1 - over, b + over + 1, n)
+    pos = _ints(g, -3, max(m, 1) * 128 + 64 * over, n, dtype=torch.int64)
+    h, w = 1 + seed % 3, seed % 33
+    sbt = _ints(g, -over, 40 + over, n, h, w).transpose(0, 1)  # non-contiguous [H, N, W]
+    ctx = _ints(g, -over, w * 16 + 1 + over, h, n, dtype=torch.int64)
+    return [
+        Segment("gather", bt, lo=0, hi=9, aux=req, pos=pos, unit=128),
+        Segment("gather_last", bt, lo=0, hi=9, aux=req, pos=pos, unit=128),
+        Segment("len", sbt, lo=0, hi=39, aux=ctx, unit=16, modulus=16, mod_limit=8 + (seed % 9)),
+        Segment("live" if seed % 2 else "all", req, lo=0, hi=b - 1, aux=pos),
+    ]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), bad=st.sampled_from([0.0, 0.2, 1.0]))
+def test_kernel_flags_match_torch(seed, bad):
+    segments = _segments(seed, bad)
+    for i in range(len(segments)):  # each segment alone, then all four in one launch
+        subset = segments[i:i + 1] if i < len(segments) - 1 else segments
+        want = _valcheck.flags(*subset)
+        with _valcheck.kernel_on_cpu():
+            got = _valcheck.flags(*subset)
+        assert got == want
+
+
+def test_kernel_flags_on_device(device):
+    """The compiled kernel on a GPU (and the PyTorch evaluation on the CPU) against the CPU flags."""
+    for seed in range(6):
+        segments = _segments(seed, 0.2)
+        want = _valcheck.flags(*segments)
+        moved = [Segment(s.kind, s.t.to(device), s.lo, s.hi, None if s.aux is None else s.aux.to(device),
+                         None if s.pos is None else s.pos.to(device), s.unit, s.modulus, s.mod_limit)
+                 for s in segments]
+        assert _valcheck.flags(*moved) == want
+
+
+def test_int64_extremes_and_empty_segments():
+    big = torch.tensor([0, 2**62, -(2**62)], dtype=torch.int64)
+    for force in (False, True):
+        with _valcheck.kernel_on_cpu(force):
+            assert _valcheck.flags(Segment("all", big, lo=-(2**62), hi=2**62)) == [0, 0]
+            assert _valcheck.flags(Segment("all", big, hi=2**62 - 1)) == [1, 0]
+            assert _valcheck.flags(Segment("all", big, lo=-(2**62) + 1)) == [1, 0]
+            assert _valcheck.flags(Segment("all", big[:0], hi=-1)) == []
+
+
+def test_segment_rejects_unknown_kind():
+    with pytest.raises(ValueError, match="kind"):
+        Segment("rows", torch.zeros(1, dtype=torch.int32))
+
+
+# --- one host read per call ---------------------------------------------------------------------
+
+
+def _attention_args(device):
+    a = _layer(device)
+    sbt = torch.tensor([[[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]], dtype=torch.int32, device=device)
+    ctx = torch.tensor([[100, 128]], dtype=torch.int32, device=device)
+    return (a["q"], a["k_cache"], a["v_cache"], sbt, ctx), {}
+
+
+def _entry_args(name):
+    def make(device):
+        e = ENTRY[name]
+        a = _layer(device)
+        return tuple(a[k] for k in e.args), dict(e.kwargs)
+
+    return make
+
+
+def _prefill_table_args(fn):
+    def make(device):
+        a = _layer(device)
+        return (a["topk_idx"], a["block_table"], a["query_req_id"], a["query_abs_pos"]), {}
+
+    return make
+
+
+def _index_args(prefill):
+    def make(device):
+        a = _layer(device)
+        rows = (a["query_req_id"], a["query_abs_pos"]) if prefill else (a["seq_lens"],)
+        return (a["index_q"], a["index_cache"], a["block_table"], *rows), {"topk": 2}
+
+    return make
+
+
+CALLS = {
+    "sparse_attention": (mm3lab.sparse_attention, _attention_args),
+    "reference.sparse_attention": (reference.sparse_attention, _attention_args),
+    "build_sparse_block_table_decode": (mm3lab.build_sparse_block_table_decode,
+                                        _entry_args("build_sparse_block_table_decode")),
+    "build_sparse_block_table_prefill": (mm3lab.build_sparse_block_table_prefill, _prefill_table_args(None)),
+    "vllm.build_sparse_block_table_decode": (vllm.minimax_m3_build_sparse_block_table_decode,
+                                             _entry_args("vllm.build_sparse_block_table_decode")),
+    "index_topk_decode": (mm3lab.index_topk_decode, _index_args(False)),
+    "index_topk_prefill": (mm3lab.index_topk_prefill, _index_args(True)),
+    "reference.index_topk_decode": (reference.index_topk_decode, _index_args(False)),
+    "index_topk_block_table_decode": (mm3lab.index_topk_block_table_decode, _index_args(False)),
+    "index_topk_block_table_prefill": (mm3lab.index_topk_block_table_prefill, _index_args(True)),
+    "insert_index_cache": (mm3lab.insert_index_cache, _entry_args("insert_index_cache")),
+    "write_kv_page16": (mm3lab.write_kv_page16, _entry_args("write_kv_page16")),
+    "token_slots": (mm3lab.token_slots, _entry_args("token_slots")),
+    "msa_decode": (mm3lab.msa_decode, _entry_args("msa_decode")),
+    "msa_prefill": (mm3lab.msa_prefill, _entry_args("msa_prefill")),
+    "dense_decode": (mm3lab.dense_decode, _entry_args("dense_decode")),
+    "dense_prefill": (mm3lab.dense_prefill, _entry_args("dense_prefill")),
+}
+
+
+@pytest.mark.parametrize("validate", [True, False], ids=["validation-on", "validation-off"])
+@pytest.mark.parametrize("name", list(CALLS))
+def test_one_host_read_per_call(name, validate, device):
+    fn, make = CALLS[name]
+    args, kwargs = make(device)
+    with mm3lab.validation(validate):
+        _valcheck.reset_stats()
+        fn(*args, **kwargs)
+        counts = _valcheck.stats()
+    if validate:
+        assert counts == {"launches": 1, "host_reads": 1}, counts
+    else:
+        assert counts == {"launches": 0, "host_reads": 0}, counts
+
+
+def test_msa_decode_return_intermediates_reads_once(device):
+    args, kwargs = _entry_args("msa_decode")(device)
+    _valcheck.reset_stats()
+    mm3lab.msa_decode(*args, **kwargs, return_intermediates=True)
+    assert _valcheck.stats()["host_reads"] == 1
+
+
+def test_rebase_bound_runs_with_validation_off(device):
+    """SPEC 7: a page id that would wrap is a wrong answer, so this bound is checked either way (one read)."""
+    bt = torch.tensor([[0, 2**30]], dtype=torch.int32, device=device)
+    with mm3lab.validation(False):
+        _valcheck.reset_stats()
+        with pytest.raises(ValueError, match="block_table"):
+            mm3lab.rebase_block_table_to_page16(bt)
+        assert _valcheck.stats()["host_reads"] == 1
+
+
+# --- bad values found by the kernel keep their detailed messages --------------------------------
+
+
+def test_kernel_path_keeps_messages():
+    a = _layer("cpu")
+    sbt = torch.tensor([[[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 99]]], dtype=torch.int32)
+    ctx = torch.tensor([[100, 128]], dtype=torch.int32)
+    with _valcheck.kernel_on_cpu():
+        with pytest.raises(ValueError, match=r"sparse_bt: \(head 0, row 1\) entry 7 is page 99"):
+            mm3lab.sparse_attention(a["q"], a["k_cache"], a["v_cache"], sbt, ctx)
+        with pytest.raises(ValueError, match=r"sparse_ctx: \(head 0, row 0\) is 129"):
+            mm3lab.sparse_attention(a["q"], a["k_cache"], a["v_cache"], sbt, ctx + 29)
+        seq_lens = torch.tensor([200, 385], dtype=torch.int32)
+        with pytest.raises(ValueError, match="seq_lens: request 1 has seq_len 385"):
+            mm3lab.index_topk_decode(a["index_q"], a["index_cache"], a["block_table"], seq_lens, 2)
