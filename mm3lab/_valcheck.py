@@ -252,26 +252,29 @@ def _run_kernel(segments: list[Segment], flags_buf: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------
 
 
-def _range_bad(v: torch.Tensor, seg: Segment) -> torch.Tensor:
-    bad = torch.zeros(v.shape, dtype=torch.bool, device=v.device)
-    if seg.lo is not None:
-        bad |= v < seg.lo
-    if seg.hi is not None:
-        bad |= v > seg.hi
+def _range_bad(v: torch.Tensor, seg: Segment) -> torch.Tensor | None:
+    """Entries of ``v`` outside ``[lo, hi]``, compared in ``v``'s own dtype (a bound the dtype
+    cannot reach is no test); ``None`` when no entry can be outside."""
+    info = torch.iinfo(v.dtype)
+    bad = None
+    if seg.lo is not None and seg.lo > info.min:
+        bad = v < seg.lo if seg.lo <= info.max else torch.ones(v.shape, dtype=torch.bool, device=v.device)
+    if seg.hi is not None and seg.hi < info.max:
+        over = v > seg.hi if seg.hi >= info.min else torch.ones(v.shape, dtype=torch.bool, device=v.device)
+        bad = over if bad is None else bad | over
     return bad
 
 
-def _torch_flags(seg: Segment) -> list[torch.Tensor]:
-    """``[range_bad.any(), mod_bad.any()]`` of one segment (0-d bool tensors, no host read)."""
+def _torch_flags(seg: Segment) -> list:
+    """``[range_bad, mod_bad]`` of one segment: 0-d bool tensors (no host read) or ``False``."""
     kind = seg.kind
     if kind in ("gather", "gather_last"):
-        bt = seg.t.to(torch.int64)
+        bt = seg.t
         b, m = bt.shape
+        if m == 0 or b == 0 or seg.pos.numel() == 0:
+            return [False, False]
         req, p = seg.aux.to(torch.int64), seg.pos.to(torch.int64)
         live = (p >= 0) & (req >= 0) & (req < b)
-        if m == 0 or b == 0 or p.numel() == 0:
-            none = torch.zeros((), dtype=torch.bool, device=bt.device)
-            return [none, none]
         last = p.clamp(max=m * seg.unit - 1) // seg.unit
         r = torch.where(live, req, 0)
         if kind == "gather_last":
@@ -281,7 +284,7 @@ def _torch_flags(seg: Segment) -> list[torch.Tensor]:
             v = bt[r]
             mask = live[:, None] & (torch.arange(m, device=bt.device)[None, :] <= last[:, None])
     else:
-        v = seg.t.to(torch.int64)
+        v = seg.t
         if v.dim() == 0 or v.dim() > 3:
             v = v.reshape(-1)
         if kind == "len":
@@ -292,12 +295,14 @@ def _torch_flags(seg: Segment) -> list[torch.Tensor]:
         elif kind == "live":
             mask = seg.aux >= 0
         else:
-            mask = torch.ones(v.shape, dtype=torch.bool, device=v.device)
-    out = [(mask & _range_bad(v, seg)).any()]
+            mask = None
+    bad = _range_bad(v, seg)
+    out = [False if bad is None else (bad if mask is None else mask & bad).any()]
     if seg.modulus > 0:
-        out.append((mask & (torch.remainder(v, seg.modulus) >= seg.mod_limit)).any())
+        mod_bad = torch.remainder(v, seg.modulus) >= seg.mod_limit
+        out.append((mod_bad if mask is None else mask & mod_bad).any())
     else:
-        out.append(torch.zeros((), dtype=torch.bool, device=v.device))
+        out.append(False)
     return out
 
 
@@ -335,7 +340,9 @@ def flags(*segments: Segment) -> list[int]:
         _run_kernel(segments, buf)
         return buf.tolist()[: 2 * len(segments)]
     parts = [f for seg in segments for f in _torch_flags(seg)]
-    return [int(x) for x in torch.stack(parts).tolist()]
+    tensors = [f for f in parts if isinstance(f, torch.Tensor)]
+    values = iter(torch.stack(tensors).tolist() if tensors else [])
+    return [int(next(values)) if isinstance(f, torch.Tensor) else 0 for f in parts]
 
 
 def any_bad(*segments: Segment) -> bool:

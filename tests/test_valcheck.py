@@ -122,7 +122,31 @@ def _index_args(prefill):
     return make
 
 
+def _plan_run(prefill):
+    """``plan.run`` of a decode / prefill plan built outside the counted call."""
+
+    def make(device):
+        a = _layer(device)
+        caches = (a["k_cache"], a["v_cache"], a["index_cache"])
+        kw = {"batch": 2, "max_blocks": 3, "num_q_heads": 16, "topk": 2}
+        if prefill:
+            plan = mm3lab.MSAPrefillPlan(*caches, num_tokens=2, **kw)
+            rows = (a["query_req_id"], a["query_abs_pos"])
+        else:
+            plan = mm3lab.MSADecodePlan(*caches, **kw)
+            rows = (a["seq_lens"],)
+        return (plan, a["q"], a["key"], a["value"], a["index_q"], a["index_k"], *caches, a["block_table"], *rows), {}
+
+    return make
+
+
+def _call_plan(plan, *args):
+    return plan.run(*args)
+
+
 CALLS = {
+    "MSADecodePlan.run": (_call_plan, _plan_run(False)),
+    "MSAPrefillPlan.run": (_call_plan, _plan_run(True)),
     "sparse_attention": (mm3lab.sparse_attention, _attention_args),
     "reference.sparse_attention": (reference.sparse_attention, _attention_args),
     "build_sparse_block_table_decode": (mm3lab.build_sparse_block_table_decode,
