@@ -134,7 +134,7 @@ def _segment(
     else:
         nbad = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.int32)
         nmod = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.int32)
-        c0 = 0
+        c0 = pid * 0  # an int32 scalar (a loop-carried value must keep its type)
         while c0 < C:  # (a while loop: Triton's interpreter cannot run range() with runtime bounds)
             cols = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
             m = cols[None, :] < limit[:, None]
