@@ -174,10 +174,10 @@ def check_int(name: str, value, *, minimum: int, maximum: int | None = None) -> 
     """A Python int (not a bool, a float or a tensor: ``TypeError``) in ``[minimum, maximum]`` (``ValueError``)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected a Python int, got {type(value).__name__}")
-    if maximum is not None and not minimum <= value <= maximum:
-        raise ValueError(f"{name}: expected an int in [{minimum}, {maximum}], got {value}")
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}: expected an int in [{minimum}, {maximum}], got {value}")
     return value
 
 
