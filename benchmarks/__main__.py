@@ -82,7 +82,7 @@ def goals(records: list) -> list[dict]:
 
 
 SUITE_WEIGHTS = {
-    "attention_decode": 3.0, "attention_prefill": 3.0, "spec_decode": 1.0, "block_table": 1.0,
+    "attention_decode": 3.0, "attention_prefill": 4.0, "spec_decode": 1.0, "block_table": 1.0,
     "indexer_decode": 1.0, "topk": 0.5, "index_cache": 0.5, "msa_decode": 2.0, "msa_decode_stages": 3.0,
 }
 """Relative share of ``--budget`` per suite (a suite not listed: 1). A suite past its share starts no new shape."""
