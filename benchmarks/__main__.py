@@ -97,7 +97,7 @@ def _suite_fn(name: str):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m benchmarks", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python3 -m benchmarks", description=sys.modules[__package__].__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one shape per suite")
     parser.add_argument("--only", nargs="*", choices=sorted(suites.SUITES), help="run only these suites")
