@@ -166,6 +166,7 @@ def main(argv=None) -> int:
             weights = [SUITE_WEIGHTS.get(n, 1.0) for n in names[i:]]
             ctx.deadline = t0 + max(0.0, left) * weights[0] / sum(weights)
         print(f"[{t0 - started:6.1f}s] {name}", file=sys.stderr, flush=True)
+        n_notes = len(ctx.notes)
         try:
             _suite_fn(name)(ctx)
         except Exception as exc:  # noqa: BLE001 (a suite's failure is recorded, the others still run)
@@ -175,6 +176,7 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
         if ctx.cuda:
             torch.cuda.empty_cache()
+        ctx.notes[n_notes:] = [n if n.startswith(f"{name}:") else f"{name}: {n}" for n in ctx.notes[n_notes:]]
         seconds[name] = round(time.time() - t0, 1)
         print(f"         {name}: {seconds[name]:.1f}s", file=sys.stderr, flush=True)
         path = save(final=False)  # after every suite: a run cut short keeps what it measured

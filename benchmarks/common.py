@@ -366,7 +366,7 @@ def merge_payloads(old: dict | None, new: dict) -> dict:
     """
     if old is None:
         return new
-    ran = set(new["meta"].get("suites", []))
+    ran = set(new["meta"].get("suites", [])) | {"setup"}  # every run measures the copy bandwidth and launch floor
     keep = [r for r in old["records"] if r.get("suite") not in ran]
     om, nm = old["meta"], dict(new["meta"])
 
@@ -376,6 +376,8 @@ def merge_payloads(old: dict | None, new: dict) -> dict:
         return merged
 
     nm["suites"] = [s for s in om.get("suites", []) if s not in ran] + list(new["meta"].get("suites", []))
+    if not any(r.get("suite") == "setup" for r in new["records"]):  # (no GPU: keep the old setup records)
+        keep += [r for r in old["records"] if r.get("suite") == "setup"]
     nm["suite_seconds"] = per_suite("suite_seconds")
     nm["failures"] = per_suite("failures")
     nm["skipped"] = [n for n in om.get("skipped", []) if n.split(":", 1)[0] not in ran] + list(nm.get("skipped", []))
