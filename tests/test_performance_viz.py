@@ -232,3 +232,11 @@ def test_real_size_pipeline_and_bytes_per_token():
     assert len(fig.axes[0].patches) == 3 * len(performance.STAGES)
     fig = index_cache.plot_bytes_per_token()
     assert "2048 B of K/V, 256 B of index key (12.5%)" in fig.axes[0].get_title(loc="left")
+
+
+def test_plan_demo_runs_the_plan_against_the_one_shot_call():
+    text = performance.plan_demo(context_len=256, topk=2)
+    assert "plan.run == msa_decode bit for bit: True; output is the plan's buffer: True" in text
+    assert "only a value changed): equal to msa_decode: True" in text
+    assert "run 3 (two rows instead of one): ValueError" in text
+    assert "graph=True" in text.splitlines()[-1]

@@ -267,7 +267,7 @@ def limits(results: dict) -> list[str]:
             "eager time."
         )
     pre = _first(records(results, "attention_prefill"))
-    if pre and pre.get("attended_TFLOPs"):
+    if pre and pre.get("attended_TFLOPs") and "mode" not in pre:  # the per-row kernel's records (before tiling)
         sh = pre["shape"]
         group = sh["q_heads"] // sh["kv_heads"]
         flops = pre["attended_TFLOPs"] * 1e12 * pre["ms"] * 1e-3
@@ -380,7 +380,7 @@ def mode_table(results: dict, width: int = 100) -> str:
              "mode: graph = CUDA-graph replay, eager = a plain call, ? = not recorded")
     lines = [title, head]
     for r in results["records"]:
-        if r["name"].startswith(("copy_", "launch_")):
+        if r["name"].startswith(("copy_", "launch_")) or r["name"] == "msa_decode_stage":  # stages: see above
             continue
         cv = f"{100 * r['cv']:.0f}%" if r.get("cv") is not None else "-"
         speed = f"{r['speedup']:.1f}x" if r.get("speedup") is not None else "-"
@@ -510,33 +510,42 @@ _MARKERS = {"graph": ("o", "black"), "eager": ("s", "white")}
 
 
 def plot_stage_breakdown(results: dict, mode: str = "graph") -> Figure | None:
-    """One stacked bar per (batch, context): the step's launches, and the whole step measured in each mode."""
+    """Stacked bars per (batch, context): the step's launches, and the whole step measured in each mode.
+
+    One panel per batch, each on its own linear time axis (a batch-64 step takes many times a
+    batch-1 step, and a stacked bar on a log axis would misstate the shares).
+    """
     shapes = [s for s in stage_shapes(results) if stage_breakdown(results, *s, mode)]
     if not shapes:
         return None
-    fig = Figure(figsize=(9.0, 0.6 * len(shapes) + 2.0), layout="constrained")
-    ax = fig.add_subplot()
-    seen = set()
-    for y, (batch, context) in enumerate(shapes):
-        b = stage_breakdown(results, batch, context, mode)
-        left = 0.0
-        for stage, r in b["stages"]:
-            us = 1e3 * r["ms"]
-            ax.barh(y, us, left=left, height=0.5, color=STAGE_COLORS[stage], edgecolor="white",
-                    label=None if stage in seen else f"{stage} ({mode})")
-            seen.add(stage)
-            left += us
-        for label, r in _whole_steps(b):
-            marker, face = ("D", "tab:red") if "checks on" in label else _MARKERS.get(mode_of(r), ("x", "black"))
-            ax.plot(1e3 * r["ms"], y, marker, color="black", markerfacecolor=face, markersize=7,
-                    label=None if label in seen else label)
-            seen.add(label)
-    ax.set_yticks(range(len(shapes)), [f"batch {b}, {short_shape({'context': c})}" for b, c in shapes], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlabel("microseconds (log): stacked bars = each launch timed alone; markers = the whole step")
-    ax.set_title("Where one MSA decode step's time goes", loc="left")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    batches = sorted({b for b, _ in shapes})
+    heights = [sum(1 for b, _ in shapes if b == batch) for batch in batches]
+    fig = Figure(figsize=(9.5, 0.5 * len(shapes) + 0.9 * len(batches) + 0.8), layout="constrained")
+    axes = fig.subplots(len(batches), 1, squeeze=False, height_ratios=[h + 0.8 for h in heights])[:, 0]
+    seen, handles = set(), {}
+    for ax, batch in zip(axes, batches):
+        contexts = [c for b, c in shapes if b == batch]
+        for y, context in enumerate(contexts):
+            b = stage_breakdown(results, batch, context, mode)
+            left = 0.0
+            for stage, r in b["stages"]:
+                us = 1e3 * r["ms"]
+                bar = ax.barh(y, us, left=left, height=0.55, color=STAGE_COLORS[stage], edgecolor="white")
+                handles.setdefault(f"{stage} ({mode})", bar)
+                left += us
+            for label, r in _whole_steps(b):
+                marker, face = ("D", "tab:red") if "checks on" in label else _MARKERS.get(mode_of(r), ("x", "black"))
+                (line,) = ax.plot(1e3 * r["ms"], y, marker, color="black", markerfacecolor=face, markersize=7)
+                handles.setdefault(label, line)
+                seen.add(label)
+        ax.set_yticks(range(len(contexts)), [short_shape({"context": c}) for c in contexts], fontsize=8)
+        ax.set_ylim(len(contexts) - 0.4, -0.6)
+        ax.set_xlim(left=0)
+        ax.set_ylabel(f"batch {batch}", fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+    axes[-1].set_xlabel("microseconds: stacked bars = each launch timed alone; markers = the whole step")
+    axes[0].set_title("Where one MSA decode step's time goes", loc="left")
+    fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize=8)
     return fig
 
 
@@ -699,7 +708,8 @@ def prefill_text(results: dict) -> str:
     for r in recs:
         tf = f"{r['attended_TFLOPs']:.0f}" if r.get("attended_TFLOPs") is not None else "-"
         ratio = f"{r['flops_ratio']:.2f}" if r.get("flops_ratio") is not None else "-"
-        lines.append(f"{r['shape'].get('selection', '-'):<10} {short_shape(r['shape'])[:22]:<22} {timed(r):>18} "
+        shape = short_shape({k: v for k, v in r["shape"].items() if k != "selection"})
+        lines.append(f"{r['shape'].get('selection', '-'):<10} {shape[:22]:<22} {timed(r):>18} "
                      f"{(r.get('baseline') or '-')[:22]:<22} {tf:>8} {ratio:>8}")
     return "\n".join(lines)
 
@@ -814,3 +824,50 @@ def plot_real_size_stages(contexts=(8192, 131072, MAX_CONTEXT), batch: int = 1) 
                  fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
     return fig
+
+
+# --- plan / run, worked on a small layer (runs anywhere; nothing is timed) ----------------------
+
+
+def plan_demo(context_len: int = 1024, topk: int = 4, seed: int = 0) -> str:
+    """A decode step as a one-shot call and as ``MSADecodePlan.run`` on a small synthetic layer.
+
+    Shows what SPEC section 8 promises: the plan's output is bit-identical to the one-shot
+    call; between runs only values change (here ``seq_lens`` grows by one token); a changed
+    shape is an error, never a stale replay; ``graph=True`` needs CUDA. Returns text.
+    """
+    import torch
+
+    from .. import msa
+    from ..plan import MSADecodePlan
+    from .msa import DEMO_LAYER
+
+    layer = msa.synthetic_layer(context_len, pattern="needle", seed=seed, **DEMO_LAYER)
+    inputs = layer.inputs()
+    inputs.pop("decode_query_len")
+    q = inputs["q"]
+    plan = MSADecodePlan(inputs["k_cache"], inputs["v_cache"], inputs["index_cache"], batch=q.shape[0],
+                         max_blocks=inputs["block_table"].shape[1], num_q_heads=q.shape[1], topk=topk)
+    lines = [(f"plan: batch {plan.batch}, {plan.num_q_heads} query / {plan.num_kv_heads} KV heads, "
+             f"block table width {plan.max_blocks}, top-k {plan.topk}")]
+    one_shot = msa.msa_decode(**inputs, topk=topk)
+    out = plan.run(**inputs)
+    lines.append(f"run 1 (seq_len {int(inputs['seq_lens'][0])}): plan.run == msa_decode bit for bit: "
+                 f"{torch.equal(out, one_shot)}; output is the plan's buffer: {out.data_ptr() == plan.out.data_ptr()}")
+    grown = dict(inputs, seq_lens=inputs["seq_lens"] - 1)  # a value change: the same shapes, another length
+    out = plan.run(**grown).clone()
+    lines.append(f"run 2 (seq_len {int(grown['seq_lens'][0])}, only a value changed): equal to msa_decode: "
+                 f"{torch.equal(out, msa.msa_decode(**grown, topk=topk))}")
+    wrong = dict(inputs, q=torch.cat([q, q]))
+    try:
+        plan.run(**wrong)
+        lines.append("run 3 (two rows): ran")
+    except (ValueError, TypeError) as err:
+        lines.append(f"run 3 (two rows instead of one): {type(err).__name__}: {str(err).splitlines()[0]}")
+    try:
+        MSADecodePlan(inputs["k_cache"], inputs["v_cache"], inputs["index_cache"], batch=1,
+                      max_blocks=plan.max_blocks, num_q_heads=plan.num_q_heads, topk=topk, graph=True)
+        lines.append("graph=True: captured")
+    except (ValueError, TypeError, RuntimeError) as err:
+        lines.append(f"graph=True here: {type(err).__name__}: {str(err).splitlines()[0]}")
+    return "\n".join(lines)
