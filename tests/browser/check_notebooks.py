@@ -202,7 +202,8 @@ class Checker:
             widgets_expected = sum(1 for c in st["cells"] for o in c["outputs"] if WIDGET_MIME in o.get("data", {}))
             broken = page.locator(".jp-OutputArea-output", has_text="Error displaying widget").count()
             raw = page.locator(".jp-OutputArea-output", has_text="interactive(children=").count()
-            rendered = page.locator(".jp-OutputArea-output .jupyter-widgets.widget-interact").count()
+            # any widget class counts (interactive views, boxes, single controls), one per output
+            rendered = page.locator(".jp-OutputArea-output", has=page.locator(".jupyter-widgets")).count()
             if broken or raw or rendered < widgets_expected:
                 self.fail(name, f"{widgets_expected} widget outputs, {rendered} rendered as widgets, "
                                 f"{broken} 'Error displaying widget', {raw} shown as text")
