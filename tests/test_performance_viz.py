@@ -108,7 +108,10 @@ SCHEMA = {
     "meta": {"gpu": "GPU", "torch": "t", "triton": "tr", "copy_TBps": 4.0, "method": "synthetic"},
     "records": [
         _stage("insert", 5), _stage("indexer_scores", 100), _stage("topk", 40), _stage("block_table", 5),
-        _stage("attention", 150), _stage("topk_block_table", 42),
+        _stage("attention", 150), _stage("topk_block_table", 42), _stage("total", 310), _stage("total", 650, "eager"),
+        _rec("msa_decode_plan", {"batch": 16, "context": 131072}, 0.310, "graph", "dense_sdpa", 3.2),
+        _rec("msa_decode_plan", {"batch": 16, "context": 131072}, 0.650, "eager", "dense_sdpa", 3.2,
+             validation=False),
         _rec("msa_decode", {"batch": 16, "context": 131072}, 0.320, "graph", "dense_sdpa", 3.2),
         _rec("msa_decode", {"batch": 16, "context": 131072}, 0.780, "eager", "dense_sdpa", 3.2, validation=True),
         _rec("msa_decode", {"batch": 16, "context": 131072}, 0.700, "eager", "dense_sdpa", 3.2, validation=False),
@@ -135,17 +138,58 @@ def test_every_time_carries_its_mode():
 
 def test_stage_breakdown_accounts_for_the_step():
     b = performance.stage_breakdown(SCHEMA, 16, 131072)
-    assert [s for s, _ in b["stages"]] == ["insert", "indexer_scores", "topk", "block_table", "attention"]
-    assert abs(b["sum_ms"] - 0.300) < 1e-9 and b["fused"]["ms"] == 0.042
+    # the step's launches: top-k and block table fused, as the plan runs them
+    assert [s for s, _ in b["stages"]] == ["insert", "indexer_scores", "topk_block_table", "attention"]
+    assert abs(b["sum_ms"] - 0.297) < 1e-9 and b["fused"]["ms"] == 0.042 and abs(b["unfused_ms"] - 0.045) < 1e-9
+    assert b["total"]["graph"]["ms"] == 0.310 and b["step"]["eager"]["validation"] is False
     text = performance.breakdown_text(SCHEMA, 16, 131072)
-    assert "sum of stages" in text and "300.0 us (graph)" in text
-    assert "host overhead: eager - graph = 460.0 us" in text  # 780 - 320, the validation-on eager call
+    assert "sum of launches" in text and "297.0 us (graph)" in text
+    assert "two launches instead: 45.0 us (graph)" in text
+    assert "whole step (graph) - sum of launches = 13.0 us" in text  # 310 - 297
+    assert "host overhead: eager - graph = 340.0 us" in text  # the plan: 650 - 310
+    assert "msa_decode, checks on" in text
     assert performance.stage_breakdown(SCHEMA, 1, 1) is None
     assert "no msa_decode_stage records" in performance.breakdown_text(SCHEMA, 1, 1)
     fig = performance.plot_stage_breakdown(SCHEMA)
-    assert len(fig.axes[0].patches) == 5
+    assert len(fig.axes[0].patches) == 4
     fig = performance.plot_stage_roofline(SCHEMA)
-    assert len(fig.axes[0].patches) == 5
+    assert len(fig.axes[0].patches) == 4
+
+
+def test_stage_bytes_are_counted_where_the_records_have_none():
+    r = {"shape": {"batch": 1, "context": 1 << 20, "stage": "attention", "dtype": "bf16"}, "bytes": None}
+    counted = {s: b for s, b, _ in performance.real_size_stages(1 << 20)}
+    assert performance._stage_bytes(r) == counted["attention"]
+    r["shape"]["stage"] = "topk_block_table"
+    assert performance._stage_bytes(r) == counted["topk"] + counted["block_table"]
+    r["shape"]["dtype"] = "fp32"  # not the model's sizes: no count
+    assert performance._stage_bytes(r) is None
+
+
+def test_plan_text_and_meta_text():
+    text = performance.plan_text(SCHEMA)
+    assert "batch 16, ctx=128K:" in text
+    assert "  MSADecodePlan.run      graph                310.0 us (its own graph=True replay)" in text
+    assert "  msa_decode (one-shot)  eager, checks on     780.0 us" in text
+    assert "ctx=32K" not in text  # shapes without plan records are left out
+    assert performance.plan_text({"meta": {}, "records": []}).startswith("no msa_decode_plan records")
+    dry = {"meta": {"gpu": "cpu-dry-run", "copy_TBps": None, "failures": {"prefill": "no CUDA"}}, "records": []}
+    text = performance.meta_text(dry)
+    assert "copy bandwidth: not measured" in text and "suite prefill failed" in text
+    assert "copy bandwidth 4.00 TB/s" in performance.mode_table(SCHEMA) or "4.00 TB/s" in performance.mode_table(SCHEMA)
+    assert "not measured" in performance.mode_table(dry)
+    assert performance.plot_roofline(dry) is None and performance.plot_stage_roofline(dry) is None
+
+
+def test_goals_from_the_results_file_itself():
+    results = {"meta": {"goals": [{"goal": "msa_decode eager >= 2.0x dense SDPA", "shape": {"batch": 16},
+                                   "value": 3.25, "met": True},
+                                  {"goal": "x: eager - graph <= 15.0 us", "shape": {"batch": 1}, "value": 20.0,
+                                   "met": False}]}, "records": []}
+    text = performance.goals_report(results)
+    assert text.splitlines() == ["[met ] msa_decode eager >= 2.0x dense SDPA (b=16): 3.25",
+                                 "[MISS] x: eager - graph <= 15.0 us (b=1): 20"]
+    assert performance.goals_report({"meta": {"goals": []}, "records": []}).startswith("the benchmark run checked no")
 
 
 def test_host_overhead_and_speedup_and_grid():
@@ -188,3 +232,11 @@ def test_real_size_pipeline_and_bytes_per_token():
     assert len(fig.axes[0].patches) == 3 * len(performance.STAGES)
     fig = index_cache.plot_bytes_per_token()
     assert "2048 B of K/V, 256 B of index key (12.5%)" in fig.axes[0].get_title(loc="left")
+
+
+def test_plan_demo_runs_the_plan_against_the_one_shot_call():
+    text = performance.plan_demo(context_len=256, topk=2)
+    assert "plan.run == msa_decode bit for bit: True; output is the plan's buffer: True" in text
+    assert "only a value changed): equal to msa_decode: True" in text
+    assert "run 3 (two rows instead of one): ValueError" in text
+    assert "graph=True" in text.splitlines()[-1]

@@ -25,7 +25,7 @@ so tests can find them.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from matplotlib.colors import ListedColormap
@@ -187,10 +187,10 @@ def _token_segments(blk: list[int], p: int, table_width: int, span_blocks: int):
 def _draw_tokens(ax, y: float, blk: list[int], p: int, table_width: int, span_blocks: int, height: float = 0.8):
     for lo, hi, kind, b in _token_segments(blk, p, table_width, span_blocks):
         style = {
-            "token-attended": dict(facecolor=full_color(b)),
-            "token-tail": dict(facecolor=TAIL_COLOR),
-            "token-skipped": dict(facecolor=SKIPPED_COLOR),
-            "token-future": dict(facecolor=FUTURE_COLOR, hatch="///", edgecolor="#bbbbbb"),
+            "token-attended": {"facecolor": full_color(b)},
+            "token-tail": {"facecolor": TAIL_COLOR},
+            "token-skipped": {"facecolor": SKIPPED_COLOR},
+            "token-future": {"facecolor": FUTURE_COLOR, "hatch": "///", "edgecolor": "#bbbbbb"},
         }[kind]
         style.setdefault("edgecolor", "white")
         ax.add_patch(Rectangle((lo, y), hi - lo, height, linewidth=0.8, gid=kind, **style))
@@ -239,7 +239,7 @@ def plot_sparse_row(topk, block_table_row: Sequence[int] | None = None, p: int =
     plan = plan_sparse_row(blk, p, table_width=len(table))
     width = len(blk) * PAGES_PER_SPARSE_BLOCK
     fig = Figure(figsize=(10.0, 3.6), layout="constrained")
-    ax_row, ax_tok = fig.subplots(2, 1, gridspec_kw=dict(height_ratios=[1.0, 0.9]))
+    ax_row, ax_tok = fig.subplots(2, 1, gridspec_kw={"height_ratios": [1.0, 0.9]})
     ctx = _draw_pages(ax_row, 0.1, blk, table, p, block_page_stride, labels=width <= _MAX_LABELLED_CELLS)
     ax_row.set_xlim(0, width)
     ax_row.set_ylim(1.2, -0.5)
@@ -290,7 +290,7 @@ def plot_spec_decode_rows(topk, block_table_row: Sequence[int] | None = None, se
     positions = decode_positions(seq_len, decode_query_len)
     width = len(rows[0]) * PAGES_PER_SPARSE_BLOCK
     fig = Figure(figsize=(11.0, 1.8 + 0.9 * decode_query_len), layout="constrained")
-    ax_row, ax_tok = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=[1.25, 1.0]))
+    ax_row, ax_tok = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.25, 1.0]})
     labels = width <= _MAX_LABELLED_CELLS
     live = [q for q in positions if q >= 0]
     hi_blk = max(live, default=0) // SPARSE_BLOCK_SIZE + 1
@@ -359,7 +359,7 @@ def plot_prefill_chunk(topk, block_table_row: Sequence[int] | None = None, start
     mask = prefill_mask(rows, table, start, length)
     ctxs = [sparse_block_table_row(blk, table, start + i, block_page_stride)[1] for i, blk in enumerate(rows)]
     fig = Figure(figsize=(11.0, 1.6 + 0.16 * length), layout="constrained")
-    ax_mask, ax_ctx = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=[3.0, 1.0]))
+    ax_mask, ax_ctx = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3.0, 1.0]})
     cmap = ListedColormap([FUTURE_COLOR, SKIPPED_COLOR, _FULL_COLORS[0], TAIL_COLOR])
     ax_mask.imshow(mask, cmap=cmap, vmin=0, vmax=3, aspect="auto", interpolation="nearest",
                    extent=(0, mask.shape[1], start + length - 0.5, start - 0.5))

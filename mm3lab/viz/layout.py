@@ -275,7 +275,7 @@ def plot_kv_views(layout: str, num_blocks: int, block: int = 0, ax=None) -> Figu
                                    linewidth=1.2, gid=f"selected-{name}"))
             ax.add_patch(Rectangle((x, y_mem), 1, 1, fill=False, edgecolor=_HIGHLIGHT, linewidth=1.6, gid="reached"))
             ax.annotate("", xy=(x + 0.5, y_mem + 1.0), xytext=(x + 0.5, y),
-                        arrowprops=dict(arrowstyle="->", lw=0.6, color="0.3"))
+                        arrowprops={"arrowstyle": "->", "lw": 0.6, "color": "0.3"})
         ax.text(-0.5, y + 0.4, f"{name}_cache[i]\n(starts at page {start})", ha="right", va="center", fontsize=8)
     ax.text(-0.5, y_mem + 0.5, "memory", ha="right", va="center", fontsize=8)
     ax.text(ids[0] + (offset if layout == "dense" else 0), y_v + 1.25,

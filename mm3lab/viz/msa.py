@@ -266,10 +266,10 @@ def layer_summary(layer) -> str:
     n, hq, d = layer.q.shape
     return "\n".join([
         f"pattern {layer.pattern}, layout {layer.cache.layout} (block_page_stride {layer.cache.block_page_stride})",
-        f"requests {layer.block_table.shape[0]}, seq_lens {layer.seq_lens.tolist()}, "
-        f"decode_query_len {layer.decode_query_len}",
-        f"q [{n}, {hq}, {d}]  KV heads {layer.cache.num_kv_heads} (group {hq // layer.cache.num_kv_heads})  "
-        f"index dim {layer.index_cache.shape[2]}",
+        (f"requests {layer.block_table.shape[0]}, seq_lens {layer.seq_lens.tolist()}, "
+        f"decode_query_len {layer.decode_query_len}"),
+        (f"q [{n}, {hq}, {d}]  KV heads {layer.cache.num_kv_heads} (group {hq // layer.cache.num_kv_heads})  "
+        f"index dim {layer.index_cache.shape[2]}"),
         f"cache blocks {layer.cache.num_blocks}, block table row 0: {layer.block_table[0].tolist()[:12]}"
         + (" ..." if layer.block_table.shape[1] > 12 else ""),
     ])
@@ -341,7 +341,7 @@ def plot_msa_demo(demo, row: int = 0) -> Figure:
     return fig
 
 
-DEMO_LAYER = dict(batch=1, num_kv_heads=2, group_size=4, head_dim=64, index_dim=32, attention_temperature=1.0)
+DEMO_LAYER = {"batch": 1, "num_kv_heads": 2, "group_size": 4, "head_dim": 64, "index_dim": 32, "attention_temperature": 1.0}
 """:func:`mm3lab.msa.synthetic_layer` options of the demos: small shapes (a few seconds per redraw on
 the CPU interpreter) and attention logits as large as the index scores (``attention_temperature``)."""
 

@@ -58,23 +58,30 @@ def summary_table(results: dict) -> str:
 
 
 def plot_roofline(results: dict):
-    """Achieved bandwidth of every bandwidth-bound record against the measured copy bandwidth."""
-    copy = results["meta"]["copy_TBps"]
-    rows = [
-        r
-        for r in results["records"]
-        if r["achieved_TBps"] is not None and not r["name"].startswith(("copy_", "launch_"))
-        and r["baseline"] in (None, "naive_gather_sdpa", "torch_ops", "torch_einsum_amax_topk", "torch_index_copy", "torch.topk", "dense_sdpa")
-    ]
-    seen, uniq = set(), []
-    for r in rows:
+    """Achieved bandwidth of every bandwidth-bound record against the measured copy bandwidth.
+
+    One bar per (benchmark, shape): its CUDA-graph replay where measured, else its eager call
+    (validation off where both exist); the label says which. ``None`` without a copy bandwidth.
+    """
+    copy = results["meta"].get("copy_TBps")
+    if not copy:
+        return None
+    uniq: dict = {}
+    rank = {"graph": 0, "eager": 1, "unknown": 2}
+    for r in results["records"]:
+        if not r.get("achieved_TBps") or r["name"].startswith(("copy_", "launch_")):
+            continue
         key = (r["name"], json.dumps(r["shape"], sort_keys=True))
-        if key not in seen:
-            seen.add(key)
-            uniq.append(r)
+        score = (rank.get(mode_of(r), 3), r.get("validation") is True)
+        if key not in uniq or score < uniq[key][0]:
+            uniq[key] = (score, r)
+    uniq = [r for _, r in uniq.values()]
+    if not uniq:
+        return None
     fig = Figure(figsize=(9, max(3, 0.32 * len(uniq) + 1)))
     ax = fig.add_subplot()
-    labels = [f"{r['name']}  {_shape_text(r['shape'], ['batch', 'rows', 'tokens', 'chunk', 'layout'])}" for r in uniq]
+    labels = [f"{r['name']}  {_shape_text(r['shape'], ['batch', 'rows', 'tokens', 'chunk', 'layout'])} "
+              f"({mode_of(r)})" for r in uniq]
     values = [r["achieved_TBps"] for r in uniq]
     ax.barh(range(len(uniq)), values, height=0.7, color="tab:blue")
     for y, v in enumerate(values):  # small bandwidths stay readable: log axis, value printed at the bar
@@ -84,7 +91,7 @@ def plot_roofline(results: dict):
     ax.set_yticks(range(len(uniq)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("achieved TB/s on the bytes the kernel must move (log)")
-    ax.set_title(f"Bandwidth against the copy roofline ({results['meta']['gpu']})")
+    ax.set_title(f"Bandwidth against the copy roofline ({results['meta'].get('gpu', '?')})")
     ax.legend(loc="lower right")
     fig.tight_layout()
     return fig
@@ -142,7 +149,7 @@ GATHER_SPEEDUP_GOAL = 15.0
 
 def goals(results: dict) -> list[dict]:
     """The benchmark goals, each with the measured value and whether it is met (None: not measured)."""
-    copy = results["meta"]["copy_TBps"]
+    copy = results["meta"].get("copy_TBps")
     empty = _first(records(results, "launch_empty_triton"))
     out = []
 
@@ -171,7 +178,7 @@ def goals(results: dict) -> list[dict]:
     a1 = _first(records(results, "attention_decode", "naive_gather_sdpa"), batch=1)
     text = "attention decode, batch 1: time / (empty launch + bytes at copy bandwidth)"
     launch = eager or empty  # the issue's floor: an empty launch as do_bench times it
-    if a1 and launch:
+    if a1 and launch and copy:
         floor_ms = launch["ms"] + a1["bytes"] / (copy * 1e12) * 1e3
         goal(text, round(a1.get("ms_graph", a1["ms"]) / floor_ms, 3), 3.0, higher=False, unit="x")
     else:
@@ -192,7 +199,22 @@ def goals(results: dict) -> list[dict]:
 
 
 def goals_report(results: dict) -> str:
-    """One line per goal: measured value, target, met / missed (and by how much)."""
+    """One line per goal: measured value, target, met / missed (and by how much).
+
+    A results file that carries its own goals (``meta["goals"]``, checked by the benchmark run
+    itself, eager with validation on) is reported from those; an older file from :func:`goals`.
+    """
+    checked = results["meta"].get("goals")
+    if checked is not None:
+        if not checked:
+            return "the benchmark run checked no goals (none of their records were measured)"
+        lines = []
+        for g in checked:
+            verdict = "met " if g.get("met") else "MISS"
+            value = g.get("value")
+            value = "not measured" if value is None else f"{value:.3g}"
+            lines.append(f"[{verdict}] {g['goal']} ({short_shape(g.get('shape') or {})}): {value}")
+        return "\n".join(lines)
     lines = []
     for g in goals(results):
         if g["value"] is None:
@@ -208,7 +230,7 @@ def goals_report(results: dict) -> str:
 
 def limits(results: dict) -> list[str]:
     """What bounds the kernels whose goals are missed, computed from the records (no timing here)."""
-    copy = results["meta"]["copy_TBps"]
+    copy = results["meta"].get("copy_TBps") or float("nan")
     empty = _first(records(results, "launch_empty_triton"))
     eager = _first(records(results, "launch_empty_triton_eager"))
     out = []
@@ -245,7 +267,7 @@ def limits(results: dict) -> list[str]:
             "eager time."
         )
     pre = _first(records(results, "attention_prefill"))
-    if pre and pre.get("attended_TFLOPs"):
+    if pre and pre.get("attended_TFLOPs") and "mode" not in pre:  # the per-row kernel's records (before tiling)
         sh = pre["shape"]
         group = sh["q_heads"] // sh["kv_heads"]
         flops = pre["attended_TFLOPs"] * 1e12 * pre["ms"] * 1e-3
@@ -287,6 +309,27 @@ STAGES = ("insert", "indexer_scores", "topk", "block_table", "attention")
 """The stages of one MSA decode step, in order (``msa_decode_stage`` records' ``shape.stage``)."""
 STAGE_COLORS = {"insert": "tab:gray", "indexer_scores": "tab:orange", "topk": "tab:purple",
                 "block_table": "tab:brown", "topk_block_table": "tab:pink", "attention": "tab:blue"}
+
+
+def copy_text(results: dict) -> str:
+    """The measured copy bandwidth, or a note that the file has none (a CPU dry run)."""
+    copy = results["meta"].get("copy_TBps")
+    return f"{copy:.2f} TB/s" if copy else "not measured"
+
+
+def meta_text(results: dict) -> str:
+    """Where the results come from: GPU, versions, copy bandwidth, modes, suites that failed or were skipped."""
+    meta = results["meta"]
+    modes = sorted({mode_of(r) for r in results["records"]})
+    lines = [(f"GPU: {meta.get('gpu', '?')}  torch {meta.get('torch', '?')}  triton {meta.get('triton', '?')}  "
+             f"CUDA {meta.get('cuda') or '-'}"),
+             f"measured copy bandwidth: {copy_text(results)}",
+             f"{len(results['records'])} records; modes in this file: {', '.join(modes) or '-'}"]
+    if meta.get("samples") and meta.get("calls_per_sample"):
+        lines.append(f"each time: median of {meta['samples']} samples of {meta['calls_per_sample']} calls")
+    for name, why in sorted((meta.get("failures") or {}).items()):
+        lines.append(f"suite {name} failed in this run: {str(why)[:120]}")
+    return "\n".join(lines)
 
 
 def mode_of(record: dict) -> str:
@@ -333,11 +376,11 @@ def mode_table(results: dict, width: int = 100) -> str:
     meta = results["meta"]
     head = (f"{'benchmark':<20} {'shape':<22} {'mode':<5} {'time':>9} {'cv':>4} {'baseline':<14} "
             f"{'base':>9} {'speedup':>7}")
-    title = (f"{meta.get('gpu', '?')}: copy bandwidth {meta.get('copy_TBps', float('nan')):.2f} TB/s; "
+    title = (f"{meta.get('gpu', '?')}: copy bandwidth {copy_text(results)}; "
              "mode: graph = CUDA-graph replay, eager = a plain call, ? = not recorded")
     lines = [title, head]
     for r in results["records"]:
-        if r["name"].startswith(("copy_", "launch_")):
+        if r["name"].startswith(("copy_", "launch_")) or r["name"] == "msa_decode_stage":  # stages: see above
             continue
         cv = f"{100 * r['cv']:.0f}%" if r.get("cv") is not None else "-"
         speed = f"{r['speedup']:.1f}x" if r.get("speedup") is not None else "-"
@@ -355,28 +398,60 @@ def stage_shapes(results: dict) -> list[tuple[int, int]]:
     return sorted({(r["shape"].get("batch"), r["shape"].get("context")) for r in records(results, "msa_decode_stage")})
 
 
+STEP_STAGES = ("insert", "indexer_scores", "topk_block_table", "attention")
+"""The launches a planned decode step runs (top-k and block table fused in one launch)."""
+
+
+def _stage_bytes(record: dict) -> int | None:
+    """The bytes a stage must move: the record's own, else counted at MiniMax-M3's sizes (bf16 shapes only)."""
+    if record.get("bytes"):
+        return record["bytes"]
+    sh = record["shape"]
+    if sh.get("dtype", "bf16") != "bf16" or "batch" not in sh or "context" not in sh:
+        return None
+    counted = {name: nbytes for name, nbytes, _ in real_size_stages(sh["context"], sh["batch"], sh.get("topk", DEFAULT_TOPK))}
+    counted["topk_block_table"] = counted["topk"] + counted["block_table"]
+    return counted.get(sh.get("stage"))
+
+
 def stage_breakdown(results: dict, batch: int, context: int, mode: str = "graph") -> dict | None:
     """The stages of one MSA decode step at (``batch``, ``context``) in ``mode``, and the whole step.
 
     Returns ``None`` without stage records at that shape, else a dict: ``stages`` (list of
-    ``(stage, record)`` in pipeline order), ``sum_ms``, ``step`` (``{mode: record}`` of the whole
-    ``msa_decode`` step at that shape, where measured) and ``fused`` (the ``topk_block_table``
-    record, if measured).
+    ``(stage, record)`` in pipeline order: :data:`STEP_STAGES` where the fused launch was
+    measured, else the separate top-k and block-table launches), ``sum_ms``, ``total``
+    (``{mode: record}`` of the planned step measured whole, ``stage = "total"``), ``step``
+    (``{mode: record}`` of the one-shot ``msa_decode`` at that shape, eager with validation
+    off preferred), ``checked`` (its eager record with validation on), ``fused`` and
+    ``unfused_ms`` (top-k + block table as two launches), where measured.
     """
-    found = {}
+    found, total = {}, {}
     for r in records(results, "msa_decode_stage"):
         sh = r["shape"]
-        if _same(sh, batch=batch, context=context) and mode_of(r) == mode:
+        if not _same(sh, batch=batch, context=context):
+            continue
+        if sh.get("stage") == "total":
+            total.setdefault(mode_of(r), r)
+        elif mode_of(r) == mode:
             found.setdefault(sh.get("stage"), r)
-    stages = [(s, found[s]) for s in STAGES if s in found]
+    order = STEP_STAGES if "topk_block_table" in found else STAGES
+    stages = [(s, found[s]) for s in order if s in found]
     if not stages:
         return None
-    step = {}
+    step, checked = {}, None
     for r in records(results, "msa_decode"):
-        if _same(r["shape"], batch=batch, context=context):
-            step.setdefault(mode_of(r), r)
+        if not _same(r["shape"], batch=batch, context=context):
+            continue
+        m = mode_of(r)
+        if r.get("validation") is True:
+            checked = checked or r
+            step.setdefault(m, r)
+        elif m not in step or step[m].get("validation") is True:
+            step[m] = r
+    unfused = [found[s]["ms"] for s in ("topk", "block_table") if s in found]
     return {"batch": batch, "context": context, "mode": mode, "stages": stages,
-            "sum_ms": sum(r["ms"] for _, r in stages), "step": step, "fused": found.get("topk_block_table")}
+            "sum_ms": sum(r["ms"] for _, r in stages), "total": total, "step": step, "checked": checked,
+            "fused": found.get("topk_block_table"), "unfused_ms": sum(unfused) if len(unfused) == 2 else None}
 
 
 def breakdown_text(results: dict, batch: int, context: int) -> str:
@@ -384,80 +459,121 @@ def breakdown_text(results: dict, batch: int, context: int) -> str:
     b = stage_breakdown(results, batch, context, "graph") or stage_breakdown(results, batch, context, "eager")
     if b is None:
         return f"no msa_decode_stage records at batch {batch}, context {context}"
-    lines = [f"MSA decode step, batch {batch}, context {context}: stages as {MODE_TEXT[b['mode']]}s"]
+    lines = [(f"MSA decode step, batch {batch}, {short_shape({'context': context})}: each launch alone, "
+             f"as {MODE_TEXT[b['mode']]}s")]
     for stage, r in b["stages"]:
         share = r["ms"] / b["sum_ms"] if b["sum_ms"] else 0.0
-        bw = f", {r['fraction_of_copy_bw']:.0%} of copy bandwidth" if r.get("fraction_of_copy_bw") else ""
-        lines.append(f"  {stage:<16} {timed(r):>20}  {share:>4.0%} of the stages{bw}")
-    lines.append(f"  {'sum of stages':<16} {fmt_us(b['sum_ms']) + ' (' + b['mode'] + ')':>20}")
-    if b["fused"] is not None:
-        lines.append(f"  (top-k and block table fused in one launch: {timed(b['fused'])})")
-    graph, eager = b["step"].get("graph"), b["step"].get("eager")
-    for r in (graph, eager):
+        nbytes, copy = _stage_bytes(r), results["meta"].get("copy_TBps")
+        bw = ""
+        if nbytes and copy and r["ms"]:
+            bw = f", {nbytes / (r['ms'] * 1e-3) / 1e12 / copy:.0%} of copy bandwidth"
+        lines.append(f"  {stage:<17} {timed(r):>20}  {share:>4.0%} of the launches{bw}")
+    lines.append(f"  {'sum of launches':<17} {fmt_us(b['sum_ms']) + ' (' + b['mode'] + ')':>20}")
+    if b["fused"] is not None and b["unfused_ms"] is not None:
+        lines.append(f"  (top-k and block table as two launches instead: {fmt_us(b['unfused_ms'])} ({b['mode']}))")
+    for m in MODES:
+        r = b["total"].get(m)
         if r is not None:
-            lines.append(f"  {'whole step':<16} {timed(r):>20}")
+            what = "plan.run, checks off" if m == "eager" else "the plan's launches in one graph"
+            lines.append(f"  {'whole step':<17} {timed(r):>20}  {what}")
+    for m in MODES:
+        r = b["step"].get(m)
+        if r is not None:
+            what = "msa_decode" + (", checks off" if r.get("validation") is False else "")
+            lines.append(f"  {'whole step':<17} {timed(r):>20}  {what}")
+    if b["checked"] is not None and b["checked"] is not b["step"].get("eager"):
+        lines.append(f"  {'whole step':<17} {timed(b['checked']):>20}  msa_decode, checks on")
+    graph = b["total"].get("graph") or b["step"].get("graph")
+    eager = b["total"].get("eager") or b["step"].get("eager")
     if graph is not None and b["mode"] == "graph":
-        lines.append(f"  the graph replay of the whole step is {fmt_us(graph['ms'] - b['sum_ms'])} away from the sum of "
-                     "its stages (launch gaps between kernels, glue ops)")
+        lines.append(f"  whole step (graph) - sum of launches = {fmt_us(graph['ms'] - b['sum_ms'])}: the gaps "
+                     "between kernels inside one replay")
     if graph is not None and eager is not None:
         lines.append(f"  host overhead: eager - graph = {fmt_us(eager['ms'] - graph['ms'])}, the time Python and "
                      "the launch path add before the GPU has work")
     return "\n".join(lines)
 
 
+def _whole_steps(b: dict) -> list[tuple[str, dict]]:
+    """The whole step's measurements to mark next to the stacked launches: (label, record)."""
+    out = []
+    for m in MODES:
+        r = b["total"].get(m) or b["step"].get(m)
+        if r is not None:
+            out.append((f"whole step, {MODE_TEXT[m]}" + (" (checks off)" if m == "eager" else ""), r))
+    if b["checked"] is not None:
+        out.append(("whole step, msa_decode eager call, checks on", b["checked"]))
+    return out
+
+
+_MARKERS = {"graph": ("o", "black"), "eager": ("s", "white")}
+
+
 def plot_stage_breakdown(results: dict, mode: str = "graph") -> Figure | None:
-    """One stacked bar per (batch, context): the stages of a step, and the whole step measured in each mode."""
+    """Stacked bars per (batch, context): the step's launches, and the whole step measured in each mode.
+
+    One panel per batch, each on its own linear time axis (a batch-64 step takes many times a
+    batch-1 step, and a stacked bar on a log axis would misstate the shares).
+    """
     shapes = [s for s in stage_shapes(results) if stage_breakdown(results, *s, mode)]
     if not shapes:
         return None
-    fig = Figure(figsize=(9.0, 0.9 * len(shapes) + 1.8), layout="constrained")
-    ax = fig.add_subplot()
-    seen = set()
-    for y, (batch, context) in enumerate(shapes):
-        b = stage_breakdown(results, batch, context, mode)
-        left = 0.0
-        for stage, r in b["stages"]:
-            us = 1e3 * r["ms"]
-            ax.barh(y, us, left=left, height=0.5, color=STAGE_COLORS[stage], edgecolor="white",
-                    label=None if stage in seen else stage)
-            seen.add(stage)
-            left += us
-        for m, marker in (("graph", "o"), ("eager", "s")):
-            r = b["step"].get(m)
-            if r is not None:
-                ax.plot(1e3 * r["ms"], y, marker, color="black", markerfacecolor="white" if m == "eager" else "black",
-                        label=None if m in seen else f"whole step ({MODE_TEXT[m]})")
-                seen.add(m)
-    ax.set_yticks(range(len(shapes)), [f"batch {b}\n{short_shape({'context': c})}" for b, c in shapes])
-    ax.invert_yaxis()
-    ax.set_xlim(left=0)
-    ax.set_xlabel(f"microseconds (stages: {MODE_TEXT[mode]}s)")
-    ax.set_title("Where one MSA decode step's time goes", loc="left")
-    ax.legend(loc="lower right", fontsize=8)
+    batches = sorted({b for b, _ in shapes})
+    heights = [sum(1 for b, _ in shapes if b == batch) for batch in batches]
+    fig = Figure(figsize=(9.5, 0.5 * len(shapes) + 0.9 * len(batches) + 0.8), layout="constrained")
+    axes = fig.subplots(len(batches), 1, squeeze=False, height_ratios=[h + 0.8 for h in heights])[:, 0]
+    seen, handles = set(), {}
+    for ax, batch in zip(axes, batches):
+        contexts = [c for b, c in shapes if b == batch]
+        for y, context in enumerate(contexts):
+            b = stage_breakdown(results, batch, context, mode)
+            left = 0.0
+            for stage, r in b["stages"]:
+                us = 1e3 * r["ms"]
+                bar = ax.barh(y, us, left=left, height=0.55, color=STAGE_COLORS[stage], edgecolor="white")
+                handles.setdefault(f"{stage} ({mode})", bar)
+                left += us
+            for label, r in _whole_steps(b):
+                marker, face = ("D", "tab:red") if "checks on" in label else _MARKERS.get(mode_of(r), ("x", "black"))
+                (line,) = ax.plot(1e3 * r["ms"], y, marker, color="black", markerfacecolor=face, markersize=7)
+                handles.setdefault(label, line)
+                seen.add(label)
+        ax.set_yticks(range(len(contexts)), [short_shape({"context": c}) for c in contexts], fontsize=8)
+        ax.set_ylim(len(contexts) - 0.4, -0.6)
+        ax.set_xlim(left=0)
+        ax.set_ylabel(f"batch {batch}", fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+    axes[-1].set_xlabel("microseconds: stacked bars = each launch timed alone; markers = the whole step")
+    axes[0].set_title("Where one MSA decode step's time goes", loc="left")
+    fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize=8)
     return fig
 
 
 def plot_stage_roofline(results: dict, batch: int | None = None, context: int | None = None) -> Figure | None:
     """Per stage: achieved bandwidth on the bytes it must move, against the copy bandwidth (the roofline)."""
     shapes = stage_shapes(results)
-    if not shapes:
+    copy = results["meta"].get("copy_TBps")
+    if not shapes or not copy:
         return None
     batch, context = (batch, context) if batch is not None else shapes[-1]
     b = stage_breakdown(results, batch, context, "graph") or stage_breakdown(results, batch, context, "eager")
-    rows = [(s, r) for s, r in b["stages"] if r.get("achieved_TBps")] if b else []
+    rows = []
+    for stage, r in b["stages"] if b else []:
+        nbytes = _stage_bytes(r)
+        if nbytes and r["ms"]:
+            rows.append((stage, r, nbytes, nbytes / (r["ms"] * 1e-3) / 1e12))
     if not rows:
         return None
-    copy = results["meta"]["copy_TBps"]
     fig = Figure(figsize=(8.0, 0.55 * len(rows) + 1.6), layout="constrained")
     ax = fig.add_subplot()
-    for y, (stage, r) in enumerate(rows):
-        ax.barh(y, r["achieved_TBps"], height=0.6, color=STAGE_COLORS[stage])
-        ax.text(r["achieved_TBps"], y, f" {r['achieved_TBps'] / copy:.0%} ({r['bytes'] / 1e6:.2f} MB, {timed(r)})",
+    for y, (stage, r, nbytes, tbps) in enumerate(rows):
+        ax.barh(y, tbps, height=0.6, color=STAGE_COLORS[stage], edgecolor="black", linewidth=0.6)
+        ax.text(max(tbps, copy * 0.01), y, f" {tbps / copy:.0%}  ({nbytes / 1e6:.2f} MB in {timed(r)})",
                 va="center", fontsize=8)
     ax.axvline(copy, color="tab:red", linestyle="--", label=f"copy bandwidth {copy:.2f} TB/s")
-    ax.set_yticks(range(len(rows)), [s for s, _ in rows])
+    ax.set_yticks(range(len(rows)), [s for s, *_ in rows])
     ax.invert_yaxis()
-    ax.set_xlim(0, copy * 1.45)
+    ax.set_xlim(0, copy * 1.6)
     ax.set_xlabel("TB/s achieved on the bytes the stage must move")
     ax.set_title(f"Roofline per stage, batch {batch}, {short_shape({'context': context})}", loc="left")
     ax.legend(loc="lower right", fontsize=8)
@@ -585,15 +701,43 @@ def plot_grid_heatmap(results: dict, name: str = "msa_decode_grid") -> Figure | 
 
 def prefill_text(results: dict) -> str:
     """Prefill attention per selection pattern: time with its mode, attended TFLOP/s, the dense ratio."""
-    recs = records(results, "attention_prefill")
+    recs = [r for r in records(results, "attention_prefill") if r.get("validation") is not True]
     if not recs:
         return "no attention_prefill records in this results file"
     lines = [f"{'selection':<10} {'shape':<22} {'time':>18} {'baseline':<22} {'TFLOP/s':>8} {'vs dense':>8}"]
     for r in recs:
         tf = f"{r['attended_TFLOPs']:.0f}" if r.get("attended_TFLOPs") is not None else "-"
         ratio = f"{r['flops_ratio']:.2f}" if r.get("flops_ratio") is not None else "-"
-        lines.append(f"{r['shape'].get('selection', '-'):<10} {short_shape(r['shape'])[:22]:<22} {timed(r):>18} "
+        shape = short_shape({k: v for k, v in r["shape"].items() if k != "selection"})
+        lines.append(f"{r['shape'].get('selection', '-'):<10} {shape[:22]:<22} {timed(r):>18} "
                      f"{(r.get('baseline') or '-')[:22]:<22} {tf:>8} {ratio:>8}")
+    return "\n".join(lines)
+
+
+def _variant(r: dict) -> str:
+    m = mode_of(r)
+    if m == "eager":
+        return {True: "eager, checks on", False: "eager, checks off"}.get(r.get("validation"), "eager")
+    return m
+
+
+def plan_text(results: dict) -> str:
+    """One-shot ``msa_decode`` against ``MSADecodePlan.run`` at each measured shape, every time with its mode."""
+    rows: dict = {}
+    for name, who in (("msa_decode", "msa_decode (one-shot)"), ("msa_decode_plan", "MSADecodePlan.run")):
+        for r in records(results, name):
+            key = (r["shape"].get("batch"), r["shape"].get("context"))
+            rows.setdefault(key, {}).setdefault((who, _variant(r)), r)
+    rows = {k: v for k, v in rows.items() if any(who == "MSADecodePlan.run" for who, _ in v)}
+    if not rows:
+        return "no msa_decode_plan records in this results file (older benchmark run)"
+    order = {"eager, checks on": 0, "eager, checks off": 1, "eager": 2, "graph": 3, "unknown": 4}
+    lines = []
+    for (batch, context), found in sorted(rows.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1] or 0)):
+        lines.append(f"batch {batch}, {short_shape({'context': context})}:")
+        for (who, variant), r in sorted(found.items(), key=lambda kv: (order.get(kv[0][1], 5), kv[0][0])):
+            note = " (its own graph=True replay)" if who == "MSADecodePlan.run" and variant == "graph" else ""
+            lines.append(f"  {who:<22} {variant:<18} {fmt_us(r['ms']):>10}{note}")
     return "\n".join(lines)
 
 
@@ -680,3 +824,50 @@ def plot_real_size_stages(contexts=(8192, 131072, MAX_CONTEXT), batch: int = 1) 
                  fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
     return fig
+
+
+# --- plan / run, worked on a small layer (runs anywhere; nothing is timed) ----------------------
+
+
+def plan_demo(context_len: int = 1024, topk: int = 4, seed: int = 0) -> str:
+    """A decode step as a one-shot call and as ``MSADecodePlan.run`` on a small synthetic layer.
+
+    Shows what SPEC section 8 promises: the plan's output is bit-identical to the one-shot
+    call; between runs only values change (here ``seq_lens`` grows by one token); a changed
+    shape is an error, never a stale replay; ``graph=True`` needs CUDA. Returns text.
+    """
+    import torch
+
+    from .. import msa
+    from ..plan import MSADecodePlan
+    from .msa import DEMO_LAYER
+
+    layer = msa.synthetic_layer(context_len, pattern="needle", seed=seed, **DEMO_LAYER)
+    inputs = layer.inputs()
+    inputs.pop("decode_query_len")
+    q = inputs["q"]
+    plan = MSADecodePlan(inputs["k_cache"], inputs["v_cache"], inputs["index_cache"], batch=q.shape[0],
+                         max_blocks=inputs["block_table"].shape[1], num_q_heads=q.shape[1], topk=topk)
+    lines = [(f"plan: batch {plan.batch}, {plan.num_q_heads} query / {plan.num_kv_heads} KV heads, "
+             f"block table width {plan.max_blocks}, top-k {plan.topk}")]
+    one_shot = msa.msa_decode(**inputs, topk=topk)
+    out = plan.run(**inputs)
+    lines.append(f"run 1 (seq_len {int(inputs['seq_lens'][0])}): plan.run == msa_decode bit for bit: "
+                 f"{torch.equal(out, one_shot)}; output is the plan's buffer: {out.data_ptr() == plan.out.data_ptr()}")
+    grown = dict(inputs, seq_lens=inputs["seq_lens"] - 1)  # a value change: the same shapes, another length
+    out = plan.run(**grown).clone()
+    lines.append(f"run 2 (seq_len {int(grown['seq_lens'][0])}, only a value changed): equal to msa_decode: "
+                 f"{torch.equal(out, msa.msa_decode(**grown, topk=topk))}")
+    wrong = dict(inputs, q=torch.cat([q, q]))
+    try:
+        plan.run(**wrong)
+        lines.append("run 3 (two rows): ran")
+    except (ValueError, TypeError) as err:
+        lines.append(f"run 3 (two rows instead of one): {type(err).__name__}: {str(err).splitlines()[0]}")
+    try:
+        MSADecodePlan(inputs["k_cache"], inputs["v_cache"], inputs["index_cache"], batch=1,
+                      max_blocks=plan.max_blocks, num_q_heads=plan.num_q_heads, topk=topk, graph=True)
+        lines.append("graph=True: captured")
+    except (ValueError, TypeError, RuntimeError) as err:
+        lines.append(f"graph=True here: {type(err).__name__}: {str(err).splitlines()[0]}")
+    return "\n".join(lines)

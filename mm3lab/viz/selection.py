@@ -24,7 +24,7 @@ should notice carry a ``gid`` (``"selected"``, ``"forced"``, ``"needle"``,
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import matplotlib
 import numpy as np
@@ -125,8 +125,8 @@ def selection_text(selection: Selection, position: int, head: int = 0) -> str:
     ids = [b for b in selection.topk_idx[head, row].tolist() if b >= 0]
     rank = {b: i + 1 for i, b in enumerate(ids)}
     forced = selection.forced_mask()[row].tolist()
-    lines = [f"query at p={position} (block {position // SPARSE_BLOCK_SIZE}), head {head}: {valid} candidate "
-             f"blocks, top-{selection.topk} = {ids}",
+    lines = [(f"query at p={position} (block {position // SPARSE_BLOCK_SIZE}), head {head}: {valid} candidate "
+             f"blocks, top-{selection.topk} = {ids}"),
              "block  raw score  ranked as    rank"]
     for b in range(valid):
         raw = float(selection.scores[head, row, b])
@@ -208,8 +208,8 @@ def plot_forcing_effect(seq, position: int, topk: int = 4, init_blocks: int = 1,
     axes = fig.subplots(1, 2, sharey=True)
     _draw_row(axes[0], plain, 0, head, f"no forcing: top-{topk}")
     _draw_row(axes[1], forced, 0, head, f"init_blocks={init_blocks}, local_blocks={local_blocks}: top-{topk}")
-    a = set(b for b in plain.topk_idx[head, 0].tolist() if b >= 0)
-    b = set(x for x in forced.topk_idx[head, 0].tolist() if x >= 0)
+    a = {b for b in plain.topk_idx[head, 0].tolist() if b >= 0}
+    b = {x for x in forced.topk_idx[head, 0].tolist() if x >= 0}
     top = axes[1].get_ylim()[1]
     bottom = axes[1].get_ylim()[0]
     for blk in sorted(b - a):

@@ -202,7 +202,8 @@ class Checker:
             widgets_expected = sum(1 for c in st["cells"] for o in c["outputs"] if WIDGET_MIME in o.get("data", {}))
             broken = page.locator(".jp-OutputArea-output", has_text="Error displaying widget").count()
             raw = page.locator(".jp-OutputArea-output", has_text="interactive(children=").count()
-            rendered = page.locator(".jp-OutputArea-output .jupyter-widgets.widget-interact").count()
+            # any widget class counts (interactive views, boxes, single controls), one per output
+            rendered = page.locator(".jp-OutputArea-output", has=page.locator(".jupyter-widgets")).count()
             if broken or raw or rendered < widgets_expected:
                 self.fail(name, f"{widgets_expected} widget outputs, {rendered} rendered as widgets, "
                                 f"{broken} 'Error displaying widget', {raw} shown as text")
@@ -255,7 +256,12 @@ class Checker:
                     page.mouse.move(box["x"] + frac * box["width"], hb["y"] + hb["height"] / 2, steps=8)
                     page.mouse.up()
                 return go
-            return [("drag to 30%", drag(0.3)), ("drag to 80%", drag(0.8))]
+            # targets away from where the handle is now, so that a slider with few values really moves
+            box, hb = track.bounding_box(), handle.bounding_box()
+            now = (hb["x"] + hb["width"] / 2 - box["x"]) / max(box["width"], 1.0)
+            first = next(f for f in (0.3, 0.8, 0.55) if abs(f - now) > 0.2)
+            second = 0.8 if first < 0.55 else 0.1
+            return [(f"drag to {first:.0%}", drag(first)), (f"drag to {second:.0%}", drag(second))]
         if kind == "toggle":
             buttons = control.locator("button")
             labels = [buttons.nth(i).inner_text() for i in range(buttons.count())]
