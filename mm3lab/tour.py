@@ -113,9 +113,14 @@ class TourKernelClient(AsyncKernelClient):
 
 
 class TourKernelManager(AsyncKernelManager):
-    """The asynchronous kernel manager whose clients are :class:`TourKernelClient`."""
+    """The asynchronous kernel manager whose clients are :class:`TourKernelClient`.
+
+    ``client()`` builds its client with ``client_factory``; the asynchronous manager gives
+    that trait a fixed default, so setting ``client_class`` alone would not change it.
+    """
 
     client_class = DottedObjectName("mm3lab.tour.TourKernelClient")
+    client_factory = Type(TourKernelClient, klass=AsyncKernelClient, config=True)
 
 
 # --- executing one notebook ------------------------------------------------------------------
@@ -128,6 +133,8 @@ class NotebookRun:
     name: str
     seconds: float
     cell_seconds: dict[int, float] = field(default_factory=dict)
+    channel: str = ""
+    """Class of the shell channel the notebook client used (``SlicedPollChannel`` unless stock)."""
 
     @property
     def slowest_cell(self) -> tuple[int, float]:
@@ -156,6 +163,8 @@ def execute_notebook(path: Path, timeout: int = CELL_TIMEOUT_S, sliced_poll: boo
 
     def on_start(cell, cell_index):
         current["cell"], current["start"] = cell_index, time.monotonic()
+        if not run.channel and client.kc is not None:
+            run.channel = type(client.kc.shell_channel).__name__
 
     def on_executed(cell, cell_index, execute_reply):
         run.cell_seconds[cell_index] = time.monotonic() - current["start"]
@@ -277,7 +286,8 @@ def repeat_tour(repeat: int, notebooks_dir: Path | None = None, only: list[str] 
             name, (cell, s) = max(((r.name, r.slowest_cell) for r in runs), key=lambda x: x[1][1])
             echo(f"tour {i + 1}/{repeat}: {time.monotonic() - t0:.1f} s; longest cell {s:.1f} s ({name} cell {cell}); "
                  f"late wake-ups so far {SlicedPollChannel.late_wakeups}, "
-                 f"replies waiting after a send {SlicedPollChannel.woken_after_send}; load {_load()}")
+                 f"replies waiting after a send {SlicedPollChannel.woken_after_send}; shell channel {runs[0].channel}; "
+                 f"load {_load()}")
     return tours
 
 

@@ -50,6 +50,15 @@ def test_repeat_reports_min_median_max_and_longest_cell(tmp_path):
     assert "longest single cell wait" in report and "(01_a cell 2)" in report
 
 
+def test_the_notebook_client_really_uses_the_tours_channel(tmp_path):
+    from mm3lab.tour import TourKernelManager
+
+    assert type(TourKernelManager(kernel_name="python3").client().shell_channel).__name__ == "SlicedPollChannel"
+    path = _notebook(tmp_path / "nb", "01_a.ipynb", "x = 1")
+    assert execute_notebook(path)[1].channel == "SlicedPollChannel"
+    assert execute_notebook(path, sliced_poll=False)[1].channel == "AsyncZMQSocketChannel"
+
+
 class _Socket:
     """A socket whose first poll never wakes (a lost wake-up) but whose message is there."""
 
