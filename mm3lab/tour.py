@@ -97,9 +97,10 @@ class SlicedPollChannel(AsyncZMQSocketChannel):
             left = POLL_SLICE_S if deadline is None else min(POLL_SLICE_S, deadline - time.monotonic())
             if left <= 0:
                 raise Empty
+            wait_ms = max(1, int(left * 1000))
             start = time.monotonic()
-            if await self.socket.poll(max(1, int(left * 1000))):
-                if time.monotonic() - start >= left:
+            if await self.socket.poll(wait_ms):
+                if time.monotonic() - start >= wait_ms / 1000:
                     type(self).late_wakeups += 1
                 return await self._recv()
 
