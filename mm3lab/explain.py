@@ -64,9 +64,9 @@ def _row_text(blk: list[int], bt_row: list[int], p: int, seq_len: int, i: int, d
     seen = plan.causal_len - sb * SPARSE_BLOCK_SIZE
     lines = [
         head,
-        f"  causal_len = p + 1 = {plan.causal_len}; self_blk = p // {SPARSE_BLOCK_SIZE} = {sb} "
-        f"(tokens {_span(sb * SPARSE_BLOCK_SIZE, (sb + 1) * SPARSE_BLOCK_SIZE - 1)}); "
-        f"the query sees {seen} of its block's {SPARSE_BLOCK_SIZE} tokens",
+        (f"  causal_len = p + 1 = {plan.causal_len}; self_blk = p // {SPARSE_BLOCK_SIZE} = {sb} "
+         f"(tokens {_span(sb * SPARSE_BLOCK_SIZE, (sb + 1) * SPARSE_BLOCK_SIZE - 1)}); "
+         f"the query sees {seen} of its block's {SPARSE_BLOCK_SIZE} tokens"),
         f"  {'slot':>4}  {'block':>5}  {'physical':>8}  {'page ids':>12}  {'tokens':>13}  role",
     ]
     slot_of = {}
@@ -129,8 +129,8 @@ def explain_sparse_block_table(
     )
     layout = "dense planes" if block_page_stride == PAGES_PER_SPARSE_BLOCK else "packed sides"
     lines = [
-        f"block table row {bt_row} (logical -> physical), block_page_stride {block_page_stride} ({layout}): "
-        f"physical block b -> page ids b * {block_page_stride} + 0..{PAGES_PER_SPARSE_BLOCK - 1}",
+        (f"block table row {bt_row} (logical -> physical), block_page_stride {block_page_stride} ({layout}): "
+         f"physical block b -> page ids b * {block_page_stride} + 0..{PAGES_PER_SPARSE_BLOCK - 1}"),
     ]
     shared = all(r == rows[0] for r in rows)
     if shared:

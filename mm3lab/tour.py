@@ -8,14 +8,22 @@ Output layout (``out_dir``)::
     ...
 
 Waiting for the kernel. The client waits on its ZeroMQ sockets through asyncio, which
-wakes on an edge-triggered file descriptor. A send on a socket (the client sends widget
-state back on the shell socket while a widget cell runs) can consume the wake-up of a
-reply that arrived at the same moment; the reply then sits unread in the socket until the
-wait times out, and the cell costs its whole timeout although the kernel answered at
-once. The tour's client therefore waits in slices of :data:`POLL_SLICE_S`: the end of
-every slice re-reads the socket's state, so a missed wake-up costs one slice. Every cell
-also has a timeout (:data:`CELL_TIMEOUT_S`, larger than the slowest cell), and a timeout
-stops the tour with the notebook, the cell and what to do (:class:`TourError`).
+wakes when the socket's file descriptor becomes readable. That descriptor is edge-triggered:
+it signals once when ZeroMQ has news for the socket, and any operation on the socket,
+including a send, takes that news in and clears the signal. While a widget cell runs, the
+notebook client sends widget state back to the kernel on the shell socket, through a plain
+(blocking) twin of the asyncio socket, so asyncio is never told. When the kernel's reply has
+just arrived, that send swallows its wake-up: the reply sits unread in the socket until the
+wait times out, and the cell costs its whole timeout although the kernel answered at once.
+The tour's client closes both gaps:
+
+* after every send it reads the socket's state once more, which wakes a waiting receive
+  when a message is already there (the cause, removed);
+* it waits in slices of :data:`POLL_SLICE_S` and re-reads the socket after each, so any
+  other missed wake-up costs at most one slice (the bound).
+
+Every cell also has a timeout (:data:`CELL_TIMEOUT_S`, larger than the slowest cell), and a
+timeout stops the tour with the notebook, the cell and what to do (:class:`TourError`).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty
 
+import zmq
 from jupyter_client.asynchronous import AsyncKernelClient
 from jupyter_client.channels import AsyncZMQSocketChannel
 from jupyter_client.manager import AsyncKernelManager
@@ -64,13 +73,23 @@ def find_notebooks_dir() -> Path:
 
 
 class SlicedPollChannel(AsyncZMQSocketChannel):
-    """A channel whose ``get_msg`` waits in slices and re-reads the socket after each.
+    """A channel that cannot leave a message unread: see the module doc.
 
-    ``late_wakeups`` counts the messages found only when a slice ended: each one is a
-    wake-up the event loop missed (one slice lost instead of the whole timeout).
+    ``send`` re-reads the socket's state after sending; ``get_msg`` waits in slices and
+    re-reads the socket after each. Class counters: ``woken_after_send`` counts sends after
+    which a message was already waiting for a pending receive (each one a wake-up the
+    stock client may lose), ``late_wakeups`` the messages found only when a slice ended.
     """
 
     late_wakeups = 0
+    woken_after_send = 0
+
+    def send(self, msg: dict) -> None:
+        super().send(msg)
+        # pyzmq's asyncio socket schedules its waiting receives when its state is read
+        events = self.socket.get(zmq.EVENTS)
+        if events & zmq.POLLIN and getattr(self.socket, "_recv_futures", None):
+            type(self).woken_after_send += 1
 
     async def get_msg(self, timeout: float | None = None) -> dict:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -78,9 +97,10 @@ class SlicedPollChannel(AsyncZMQSocketChannel):
             left = POLL_SLICE_S if deadline is None else min(POLL_SLICE_S, deadline - time.monotonic())
             if left <= 0:
                 raise Empty
+            wait_ms = max(1, int(left * 1000))
             start = time.monotonic()
-            if await self.socket.poll(max(1, int(left * 1000))):
-                if time.monotonic() - start >= left:
+            if await self.socket.poll(wait_ms):
+                if time.monotonic() - start >= wait_ms / 1000:
                     type(self).late_wakeups += 1
                 return await self._recv()
 
@@ -94,9 +114,14 @@ class TourKernelClient(AsyncKernelClient):
 
 
 class TourKernelManager(AsyncKernelManager):
-    """The asynchronous kernel manager whose clients are :class:`TourKernelClient`."""
+    """The asynchronous kernel manager whose clients are :class:`TourKernelClient`.
+
+    ``client()`` builds its client with ``client_factory``; the asynchronous manager gives
+    that trait a fixed default, so setting ``client_class`` alone would not change it.
+    """
 
     client_class = DottedObjectName("mm3lab.tour.TourKernelClient")
+    client_factory = Type(TourKernelClient, klass=AsyncKernelClient, config=True)
 
 
 # --- executing one notebook ------------------------------------------------------------------
@@ -109,6 +134,8 @@ class NotebookRun:
     name: str
     seconds: float
     cell_seconds: dict[int, float] = field(default_factory=dict)
+    channel: str = ""
+    """Class of the shell channel the notebook client used (``SlicedPollChannel`` unless stock)."""
 
     @property
     def slowest_cell(self) -> tuple[int, float]:
@@ -137,6 +164,8 @@ def execute_notebook(path: Path, timeout: int = CELL_TIMEOUT_S, sliced_poll: boo
 
     def on_start(cell, cell_index):
         current["cell"], current["start"] = cell_index, time.monotonic()
+        if not run.channel and client.kc is not None:
+            run.channel = type(client.kc.shell_channel).__name__
 
     def on_executed(cell, cell_index, execute_reply):
         run.cell_seconds[cell_index] = time.monotonic() - current["start"]
@@ -257,7 +286,9 @@ def repeat_tour(repeat: int, notebooks_dir: Path | None = None, only: list[str] 
             tours.append(runs)
             name, (cell, s) = max(((r.name, r.slowest_cell) for r in runs), key=lambda x: x[1][1])
             echo(f"tour {i + 1}/{repeat}: {time.monotonic() - t0:.1f} s; longest cell {s:.1f} s ({name} cell {cell}); "
-                 f"late wake-ups so far {SlicedPollChannel.late_wakeups}; load {_load()}")
+                 f"late wake-ups so far {SlicedPollChannel.late_wakeups}, "
+                 f"replies waiting after a send {SlicedPollChannel.woken_after_send}; shell channel {runs[0].channel}; "
+                 f"load {_load()}")
     return tours
 
 
@@ -282,5 +313,6 @@ def repeat_report(tours: list[list[NotebookRun]]) -> str:
     lines.append(f"{'whole tour':28s} {min(totals):7.1f} {statistics.median(totals):7.1f} {max(totals):7.1f}")
     worst = max((r.slowest_cell[1], r.name, r.slowest_cell[0]) for t in tours for r in t)
     lines.append(f"longest single cell wait: {worst[0]:.1f} s ({worst[1]} cell {worst[2]}); "
-                 f"late wake-ups caught by the sliced poll: {SlicedPollChannel.late_wakeups}")
+                 f"late wake-ups caught by the sliced poll: {SlicedPollChannel.late_wakeups}; "
+                 f"replies waiting after a send (woken at once): {SlicedPollChannel.woken_after_send}")
     return "\n".join(lines)
