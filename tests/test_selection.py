@@ -207,7 +207,7 @@ def test_mass_curve_picture_and_text(sequences, selections):
     assert len(by_gid(ax, "indexer")) == 2 and len(by_gid(ax, "oracle")) == 2
     assert list(by_gid(ax, "indexer")[0].get_ydata()) == list(curves[0].indexer)
     text = vs.mass_text(curves)
-    assert f"{curves[0].indexer[1]:7.3f}" in text and text.count("(best possible)") == 2
+    assert f"{curves[0].indexer[1]:7.2f}" in text and text.count("(best possible)") == 2
 
 
 def test_show_selection_prints_and_draws(capsys):

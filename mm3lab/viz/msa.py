@@ -290,11 +290,11 @@ def step_summary(demo, row: int = 0) -> str:
 
 
 def sweep_table(sweeps: dict) -> str:
-    """``{label: rows}`` of :func:`mm3lab.msa.topk_sweep` as a rounded table."""
+    """``{label: rows}`` of :func:`mm3lab.msa.topk_sweep` as a table rounded to 2 decimals (machine-independent)."""
     lines = [f"{'pattern':<11} {'topk':>4} {'tokens':>7} {'error':>7} {'mass':>6}"]
     for label, rows in sweeps.items():
         for r in rows:
-            lines.append(f"{label:<11} {r['topk']:>4} {r['tokens']:>7.0f} {r['error']:>7.3f} {r['mass']:>6.3f}")
+            lines.append(f"{label:<11} {r['topk']:>4} {r['tokens']:>7.0f} {r['error']:>7.2f} {r['mass']:>6.2f}")
     return "\n".join(lines)
 
 

@@ -250,13 +250,13 @@ def plot_mass_curve(curves: MassCurve | Sequence[MassCurve]) -> Figure:
 
 
 def mass_text(curves: MassCurve | Sequence[MassCurve]) -> str:
-    """The curves as a table, rounded to 3 decimals."""
+    """The curves as a table, rounded to 2 decimals (machine-independent: the values differ by ~1e-5 across CPUs)."""
     curves = [curves] if isinstance(curves, MassCurve) else list(curves)
     head = "pattern   " + "".join(f"  k={k:<5d}" for k in curves[0].topks)
     lines = [head]
     for c in curves:
-        lines.append(f"{c.pattern:9s} " + "".join(f"  {x:7.3f}" for x in c.indexer) + "   (indexer)")
-        lines.append(f"{'':9s} " + "".join(f"  {x:7.3f}" for x in c.oracle) + "   (best possible)")
+        lines.append(f"{c.pattern:9s} " + "".join(f"  {x:7.2f}" for x in c.indexer) + "   (indexer)")
+        lines.append(f"{'':9s} " + "".join(f"  {x:7.2f}" for x in c.oracle) + "   (best possible)")
     return "\n".join(lines)
 
 
