@@ -68,6 +68,8 @@ def plot_quality(table: Sequence[QualityRow]) -> Figure:
         top.set_ylim(min(0.9, min(r.recall for r in table) - 0.01), 1.005)
         bottom.set_ylim(0, 1)
         bottom.set_xscale("log", base=2)
+        topks = sorted({r.topk for r in table})
+        bottom.set_xticks(topks, [str(k) for k in topks])
         bottom.set_xlabel("top-k (blocks)")
         if col == 0:
             top.set_ylabel("top-k recall, FP8 vs bf16")
