@@ -32,6 +32,7 @@ from mm3lab.testing import relative_error
 
 from . import baselines
 from .common import ROTATE_BYTES, Context, Timing, fallback_reason, num_sets, time_replay
+from .fp8 import run_fp8_grid  # noqa: F401  (a suite, named in SUITES)
 from .prefill import run_prefill  # noqa: F401  (a suite, named in SUITES)
 
 K128 = 128 * 1024
@@ -704,6 +705,7 @@ SUITES = {
     "msa_decode": "run_msa_decode",
     "msa_decode_stages": "run_msa_decode_stages",
     "prefill": "run_prefill",
+    "fp8": "run_fp8_grid",
 }
 
 __all__ = ["SUITES", "Shapes", "dry_run_shapes", "model_shapes"]
