@@ -28,6 +28,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -64,9 +65,12 @@ class Timing:
     samples: int
     mode: str
     host_ms: float | None = None
+    calls: int | None = None
 
     def fields(self) -> dict:
         out = {"mode": self.mode, "cv": round(self.cv, 4), "samples": self.samples}
+        if self.calls is not None:
+            out["calls"] = self.calls
         if self.host_ms is not None:
             out["host_ms"] = round(self.host_ms, 6)
         return out
@@ -91,16 +95,33 @@ def _cuda(device) -> bool:
     return torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
 
 
-def time_eager(fns, *, calls: int = 20, samples: int = 10, warmup: int = 3, device=None) -> Timing:
+def _calls_for(fns, calls: int, cuda: bool, max_sample_ms: float | None) -> int:
+    """``calls``, cut so that one sample of a slow function stays near ``max_sample_ms`` (at least 1)."""
+    if max_sample_ms is None or calls <= 1:
+        return calls
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fns[0]()
+    if cuda:
+        torch.cuda.synchronize()
+    one = (time.perf_counter() - t0) * 1e3
+    return max(1, min(calls, int(max_sample_ms / max(one, 1e-6))))
+
+
+def time_eager(fns, *, calls: int = 20, samples: int = 10, warmup: int = 3, device=None,
+               max_sample_ms: float | None = None) -> Timing:
     """Eager time per call: ``samples`` samples of ``calls`` calls, rotating over ``fns`` (buffer sets).
 
     On a GPU a sample is timed with CUDA events (the device is idle before it starts);
     on the CPU with ``time.perf_counter``. ``host_ms`` is the host's time to issue the calls.
+    ``max_sample_ms``: fewer calls per sample for a slow function (one call over this bound: one call).
     """
     fns = _rotation(fns)
     cuda = _cuda(device)
     for i in range(max(warmup, len(fns))):
         fns[i % len(fns)]()
+    calls = _calls_for(fns, calls, cuda, max_sample_ms)
     if cuda:
         torch.cuda.synchronize()
     times, host = [], []
@@ -122,10 +143,11 @@ def time_eager(fns, *, calls: int = 20, samples: int = 10, warmup: int = 3, devi
             times.append((t1 - t0) * 1e3 / calls)
         host.append((t1 - t0) * 1e3 / calls)
     ms, cv = _stats(times)
-    return Timing(ms, cv, samples, "eager", statistics.median(host))
+    return Timing(ms, cv, samples, "eager", statistics.median(host), calls)
 
 
-def time_graph(fns, *, calls: int = 20, samples: int = 10, warmup: int = 3) -> Timing:
+def time_graph(fns, *, calls: int = 20, samples: int = 10, warmup: int = 3,
+               max_sample_ms: float | None = None) -> Timing:
     """CUDA-graph replay time per call: ``calls`` calls (rotating over ``fns``) captured in one graph,
     replayed ``samples`` times. Run with validation off (value checks sync, which capture forbids)."""
     fns = _rotation(fns)
@@ -134,6 +156,7 @@ def time_graph(fns, *, calls: int = 20, samples: int = 10, warmup: int = 3) -> T
     with torch.cuda.stream(stream):
         for i in range(max(warmup, len(fns))):
             fns[i % len(fns)]()
+        calls = _calls_for(fns, calls, True, max_sample_ms)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -152,13 +175,13 @@ def time_graph(fns, *, calls: int = 20, samples: int = 10, warmup: int = 3) -> T
         times.append(start.elapsed_time(end) / calls)
     del graph
     ms, cv = _stats(times)
-    return Timing(ms, cv, samples, "graph")
+    return Timing(ms, cv, samples, "graph", None, calls)
 
 
 def time_replay(replay: Callable[[], object], *, calls: int = 20, samples: int = 10) -> Timing:
     """Time a callable that itself replays a CUDA graph (a plan with ``graph=True``), eager loop."""
     t = time_eager(replay, calls=calls, samples=samples, device="cuda")
-    return Timing(t.ms, t.cv, t.samples, "graph", t.host_ms)
+    return Timing(t.ms, t.cv, t.samples, "graph", t.host_ms, t.calls)
 
 
 def bench(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
@@ -207,14 +230,29 @@ class Context:
     shapes: object = None
     records: list = dataclasses.field(default_factory=list)
     notes: list = dataclasses.field(default_factory=list)
+    max_sample_ms: float | None = 25.0
+    """A slow function gets fewer calls per sample (down to one), so that a sample stays near this."""
+    suite: str | None = None
+    """The suite now running: written into every record (``suite``), so that runs of some suites merge."""
+    deadline: float | None = None
+    """``time.time()`` past which the running suite starts no new shape (``out_of_time``)."""
 
     @property
     def cuda(self) -> bool:
         return self.device == "cuda"
 
+    def out_of_time(self, label: str) -> bool:
+        """True (and a note) when the running suite's time share is spent: skip ``label``."""
+        if self.deadline is None or time.time() < self.deadline:
+            return False
+        self.notes.append(f"{self.suite}: {label} skipped, the suite's time budget was spent")
+        print(f"  out of time: {label} skipped", file=sys.stderr, flush=True)
+        return True
+
     def eager(self, fns, **kw) -> Timing:
         kw.setdefault("calls", self.calls)
         kw.setdefault("samples", self.samples)
+        kw.setdefault("max_sample_ms", self.max_sample_ms)
         return time_eager(fns, device=self.device, **kw)
 
     def graph(self, fns, **kw) -> Timing | None:
@@ -223,6 +261,7 @@ class Context:
             return None
         kw.setdefault("calls", self.calls)
         kw.setdefault("samples", self.samples)
+        kw.setdefault("max_sample_ms", self.max_sample_ms)
         return time_graph(fns, **kw)
 
     def add(
@@ -238,6 +277,7 @@ class Context:
         achieved = (bytes_moved / (ms * 1e-3) / 1e12) if (bytes_moved and ms) else None
         copy = self.copy_TBps
         record = {
+            "suite": self.suite,
             "name": name,
             "gpu": self.gpu,
             "torch": torch.__version__,
@@ -300,11 +340,64 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
-def write_results(ctx: Context, path: Path | None = None, meta: dict | None = None) -> Path:
-    """Write ``{"meta": ..., "records": [...]}``; returns the path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    slug = ctx.gpu.lower().replace("nvidia ", "").replace(" ", "-")
-    path = path or RESULTS_DIR / f"{slug}.json"
+def results_path(gpu: str) -> Path:
+    """``benchmarks/results/<gpu>.json`` (``NVIDIA H200`` -> ``nvidia-h200.json``)."""
+    slug = gpu.lower().replace("nvidia ", "nvidia-").replace(" ", "-")
+    return RESULTS_DIR / f"{slug}.json"
+
+
+def _previous(path: Path, gpu: str) -> dict | None:
+    """The payload already at ``path`` if it was written by this method on this GPU, else ``None``."""
+    try:
+        payload = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    meta = payload.get("meta", {})
+    if meta.get("method") != METHOD or meta.get("gpu") != gpu or not isinstance(payload.get("records"), list):
+        return None
+    return payload
+
+
+def merge_payloads(old: dict | None, new: dict) -> dict:
+    """``new`` over ``old``: records of the suites ``new`` ran replace ``old``'s; the rest are kept.
+
+    ``meta``: ``new``'s, with ``suites`` / ``suite_seconds`` / ``failures`` / ``skipped`` merged per suite
+    (``skipped`` notes start with their suite's name) and ``runs`` listing every run's suites and seconds.
+    """
+    if old is None:
+        return new
+    ran = set(new["meta"].get("suites", [])) | {"setup"}  # every run measures the copy bandwidth and launch floor
+    keep = [r for r in old["records"] if r.get("suite") not in ran]
+    om, nm = old["meta"], dict(new["meta"])
+
+    def per_suite(key):
+        merged = {k: v for k, v in (om.get(key) or {}).items() if k not in ran}
+        merged.update(nm.get(key) or {})
+        return merged
+
+    nm["suites"] = [s for s in om.get("suites", []) if s not in ran] + list(new["meta"].get("suites", []))
+    if not any(r.get("suite") == "setup" for r in new["records"]):  # (no GPU: keep the old setup records)
+        keep += [r for r in old["records"] if r.get("suite") == "setup"]
+    nm["suite_seconds"] = per_suite("suite_seconds")
+    nm["failures"] = per_suite("failures")
+    nm["skipped"] = [n for n in om.get("skipped", []) if n.split(":", 1)[0] not in ran] + list(nm.get("skipped", []))
+    ids = {r.get("id") for r in nm.get("runs", [])}  # a run saving after each suite replaces its own entry
+    nm["runs"] = [r for r in om.get("runs", []) if r.get("id") is None or r.get("id") not in ids]
+    nm["runs"] += list(new["meta"].get("runs", []))
+    nm["seconds"] = round(sum(r.get("seconds", 0) for r in nm["runs"]), 1)
+    return {"meta": nm, "records": keep + list(new["records"])}
+
+
+def write_results(ctx: Context, path: Path | None = None, meta: dict | None = None, *, merge: bool = True,
+                  finalize=None) -> Path:
+    """Write ``{"meta": ..., "records": [...]}``; returns the path.
+
+    ``merge``: an existing file of the same method and GPU keeps the records of suites this run did
+    not run (a run of some suites adds to, or replaces part of, the file). ``finalize(payload)`` may
+    add to the merged payload (the goal check over every record) before it is written.
+    """
+    path = Path(path or results_path(ctx.gpu))
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "meta": {
             "gpu": ctx.gpu,
@@ -318,8 +411,14 @@ def write_results(ctx: Context, path: Path | None = None, meta: dict | None = No
         },
         "records": ctx.records,
     }
-    Path(path).write_text(json.dumps(payload, indent=1) + "\n")
-    return Path(path)
+    if merge:
+        payload = merge_payloads(_previous(path, ctx.gpu), payload)
+    if finalize is not None:
+        finalize(payload)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def median_of(values: Sequence[float]) -> float:

@@ -272,7 +272,7 @@ def run_fp8_grid(ctx: Context) -> None:
         cells, q_lens = grid_cells(ctx.quick), GRID_Q_LENS
     started = time.time()
     for i, (batch, context) in enumerate(cells):
-        if time.time() - started > TIME_CAP_S:
+        if time.time() - started > TIME_CAP_S or ctx.out_of_time(f"fp8 grid b{batch} c{context}"):
             rest = ", ".join(f"b{b} c{c // K}K" for b, c in cells[i:])
             ctx.notes.append(f"fp8 grid: time cap {TIME_CAP_S:.0f} s reached after {i} of {len(cells)} cells; "
                              f"skipped {rest}")

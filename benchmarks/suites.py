@@ -23,7 +23,6 @@ import math
 import sys
 
 import torch
-import torch.nn.functional as F
 import triton
 
 import mm3lab
@@ -32,8 +31,6 @@ from mm3lab.testing import relative_error
 
 from . import baselines
 from .common import ROTATE_BYTES, Context, Timing, fallback_reason, num_sets, time_replay
-from .fp8 import run_fp8_grid  # noqa: F401  (a suite, named in SUITES)
-from .prefill import run_prefill  # noqa: F401  (a suite, named in SUITES)
 
 K128 = 128 * 1024
 
@@ -59,6 +56,8 @@ class Shapes:
     insert_tokens: tuple
     msa_batches: tuple
     stage_shapes: tuple  # (batch, context) pairs
+    spec_batches: tuple = (16, 64)
+    spec_q_lens: tuple = (2, 4, 8)
 
     @property
     def dtype_name(self) -> str:
@@ -66,7 +65,7 @@ class Shapes:
 
 
 def model_shapes(quick: bool) -> Shapes:
-    stage = [(b, c) for b in (1, 16, 64) for c in (8 * 1024, 32 * 1024, K128)]
+    stage = [(b, c) for c in (K128, 32 * 1024, 8 * 1024) for b in (1, 16, 64)]  # 128K first (the budget)
     return Shapes(
         hq=NUM_Q_HEADS, hkv=NUM_KV_HEADS, d=HEAD_DIM, di=INDEX_HEAD_DIM, topk=16, dtype=torch.bfloat16,
         attention_batches=(16,) if quick else (1, 16, 64), decode_context=K128,
@@ -75,6 +74,7 @@ def model_shapes(quick: bool) -> Shapes:
         topk_rows=(64,) if quick else (64, 1024), topk_width=8192,
         insert_tokens=(16,) if quick else (16, 4096), msa_batches=(16,) if quick else (1, 16, 64),
         stage_shapes=((16, K128),) if quick else tuple(stage),
+        spec_batches=(16,) if quick else (16, 64), spec_q_lens=(4,) if quick else (2, 4, 8),
     )
 
 
@@ -83,7 +83,7 @@ def dry_run_shapes() -> Shapes:
         hq=4, hkv=2, d=16, di=16, topk=2, dtype=torch.float32,
         attention_batches=(2,), decode_context=300, prefill_context=512, prefill_chunk=128,
         table_batches=(2,), indexer_batches=(2,), topk_rows=(4,), topk_width=64, insert_tokens=(4,),
-        msa_batches=(2,), stage_shapes=((2, 300),),
+        msa_batches=(2,), stage_shapes=((2, 300),), spec_batches=(2,), spec_q_lens=(2,),
     )
 
 
@@ -169,24 +169,40 @@ class DecodeProblem:
         if index:
             self.index_cache = torch.randn(self.num_blocks, SPARSE_BLOCK_SIZE, s.di, generator=g, device=dev, dtype=dt)
         nsets = 4 if ctx.cuda else 2
+        self.g = g
         self.sets = [self._set(g, ctx) for _ in range(nsets)]
 
-    def _set(self, g, ctx):
+    def new_sets(self, ctx: Context, *, q_len: int = 1, selection: str = "random", nsets: int | None = None) -> list:
+        """Input sets over the same caches with ``q_len`` query rows per request (speculative decode: rows
+        ``r * q_len + i`` at positions ``context - q_len + i``); ``selection``: ``"random"`` per row, or
+        ``"shared"`` (one draw per request, shared by its rows)."""
+        nsets = nsets or (4 if ctx.cuda else 2)
+        return [self._set(self.g, ctx, q_len=q_len, selection=selection) for _ in range(nsets)]
+
+    def _set(self, g, ctx, *, q_len: int = 1, selection: str = "random"):
         s, b, m, dev, dt = self.s, self.batch, self.m, ctx.device, self.s.dtype
+        rows = b * q_len
         bt = torch.randperm(self.num_blocks, generator=g, device=dev)[: b * m].view(b, m).to(torch.int32)
         seq_lens = torch.full((b,), self.context, dtype=torch.int32, device=dev)
-        scores = torch.rand(s.hkv, b, m, generator=g, device=dev)
-        scores[..., (self.context - 1) // SPARSE_BLOCK_SIZE] = 2.0  # the local block, always selected
+        if selection == "shared":
+            scores = torch.rand(s.hkv, b, m, generator=g, device=dev).repeat_interleave(q_len, dim=1)
+        else:
+            scores = torch.rand(s.hkv, rows, m, generator=g, device=dev)
+        pos = self.context - q_len + torch.arange(rows, device=dev) % q_len
+        blk = torch.arange(m, device=dev)
+        scores = scores.masked_fill(blk.view(1, 1, -1) > (pos // SPARSE_BLOCK_SIZE).view(1, -1, 1), -1.0)
+        scores.scatter_(2, (pos // SPARSE_BLOCK_SIZE).view(1, -1, 1).expand(s.hkv, -1, 1), 2.0)  # the local block
         topk_idx = scores.topk(min(s.topk, m), dim=-1).indices.to(torch.int32)
         with mm3lab.validation(False):
-            sbt, sctx = mm3lab.build_sparse_block_table_decode(topk_idx, bt, seq_lens, block_page_stride=self.stride)
+            sbt, sctx = mm3lab.build_sparse_block_table_decode(topk_idx, bt, seq_lens, decode_query_len=q_len,
+                                                               block_page_stride=self.stride)
 
         def rnd(*shape):
             return torch.randn(*shape, generator=g, device=dev, dtype=dt)
 
         return {
             "block_table": bt, "seq_lens": seq_lens, "topk_idx": topk_idx, "sparse_bt": sbt, "sparse_ctx": sctx,
-            "q": rnd(b, s.hq, s.d), "key": rnd(b, s.hkv, s.d), "value": rnd(b, s.hkv, s.d),
+            "q": rnd(rows, s.hq, s.d), "key": rnd(b, s.hkv, s.d), "value": rnd(b, s.hkv, s.d),
             "index_q": rnd(b, s.hkv, s.di), "index_k": rnd(b, s.di),
         }
 
@@ -195,7 +211,10 @@ class DecodeProblem:
                 self.cache.v_cache, self.index_cache, st["block_table"], st["seq_lens"])
 
     def attended_bytes(self) -> int:
-        st = self.sets[0]
+        return self.attended_bytes_of(self.sets[0])
+
+    def attended_bytes_of(self, st) -> int:
+        """K/V bytes the set's rows attend (each row's tokens once) plus q and out."""
         tokens = int(st["sparse_ctx"].sum())
         return tokens * self.s.d * 2 * _elt(self.s.dtype) + 2 * st["q"].numel() * _elt(self.s.dtype)
 
@@ -309,24 +328,6 @@ def flex_decode_inputs(topk_idx: torch.Tensor, mask_mod, group: int, m: int, kv_
     return _block_mask_from_selection(selected[..., :m], group, 1, kv_len, None, mask_mod)
 
 
-def flex_prefill_inputs(topk_idx: torch.Tensor, pos0: int, group: int, m: int, kv_len: int):
-    """Block mask of one request's prefill chunk (rows at ``pos0 + i``): per 128-row query block the
-    union of its rows' selections; ``mask_mod`` keeps each row's own selection and causality exactly."""
-    hkv, n, _ = topk_idx.shape
-    rows = torch.zeros(hkv, n, m + 1, dtype=torch.bool, device=topk_idx.device)
-    rows.scatter_(2, torch.where(topk_idx < 0, m, topk_idx.long()), True)
-    rows = rows[..., :m].contiguous()  # [Hkv, N, M]
-    qb = math.ceil(n / SPARSE_BLOCK_SIZE)
-    padded = torch.zeros(hkv, qb * SPARSE_BLOCK_SIZE, m, dtype=torch.bool, device=rows.device)
-    padded[:, :n] = rows
-    union = padded.view(hkv, qb, SPARSE_BLOCK_SIZE, m).any(2).unsqueeze(0)  # [1, Hkv, QB, M]
-
-    def row_mask(b_, h_, q_, kv_):
-        return rows[h_ // group, q_, kv_ // SPARSE_BLOCK_SIZE] & (kv_ <= q_ + pos0)
-
-    return _block_mask_from_selection(union, group, n, kv_len, pos0, row_mask)
-
-
 # ----------------------------------------------------------------------------
 # suites
 # ----------------------------------------------------------------------------
@@ -353,6 +354,8 @@ def run_launch_overhead(ctx: Context) -> dict:
 def run_attention_decode(ctx: Context) -> None:
     """``sparse_attention`` of decode rows at 128K against dense SDPA, gather + SDPA and FlexAttention."""
     for batch in _shapes(ctx).attention_batches:
+        if ctx.out_of_time(f"batch {batch}"):
+            continue
         _attention_decode_one(ctx, batch)
         _free(ctx)
 
@@ -406,77 +409,12 @@ def _attention_decode_one(ctx, batch) -> None:
     _free(ctx)
 
 
-def run_attention_prefill(ctx: Context) -> None:
-    """``sparse_attention`` of one prefill chunk (the last ``chunk`` tokens of a 32K request), random
-    selection, against dense SDPA over the same rows and FlexAttention with the selection's block mask.
-    (Gather + SDPA is left out: the gathered K/V of a 4096-row chunk would take 17 GB.)"""
-    s = _shapes(ctx)
-    context, chunk, scale, group = s.prefill_context, s.prefill_chunk, s.d ** -0.5, s.hq // s.hkv
-    dev, dt = ctx.device, s.dtype
-    p = DecodeProblem(ctx, 1, context, index=False)
-    kc, vc = p.cache.k_cache, p.cache.v_cache
-    pos0 = context - chunk
-    pos = torch.arange(pos0, context, dtype=torch.int32, device=dev)
-    req = torch.zeros(chunk, dtype=torch.int32, device=dev)
-    self_blk = pos.long() // SPARSE_BLOCK_SIZE
-    g = torch.Generator(device=dev).manual_seed(5)
-    sets = []
-    for st in p.sets[:2]:
-        bt = st["block_table"]
-        scores = torch.rand(s.hkv, chunk, p.m, generator=g, device=dev)
-        scores = scores.masked_fill(torch.arange(p.m, device=dev) > self_blk.view(1, -1, 1), -1.0)
-        scores.scatter_(2, self_blk.view(1, -1, 1).expand(s.hkv, -1, 1), 2.0)
-        topk_idx = scores.topk(min(s.topk, p.m), dim=-1).indices.to(torch.int32)
-        with mm3lab.validation(False):
-            sbt, sctx = mm3lab.build_sparse_block_table_prefill(topk_idx, bt, req, pos,
-                                                               block_page_stride=p.stride)
-        sets.append({"q": torch.randn(chunk, s.hq, s.d, generator=g, device=dev, dtype=dt), "topk_idx": topk_idx,
-                         "sparse_bt": sbt, "sparse_ctx": sctx})
-    fns = [lambda st=st: mm3lab.sparse_attention(st["q"], kc, vc, st["sparse_bt"], st["sparse_ctx"], scale)
-           for st in sets]
-    with mm3lab.validation(False):
-        fns[0]()
-    fallback = fallback_reason()
-    ours = _ours(ctx, fns, "attention_prefill")
-    # dense: the chunk's rows over the whole prefix, causal, K/V expanded to every query head
-    kd = torch.randn(1, s.hq, context, s.d, generator=g, device=dev, dtype=dt)
-    vd = torch.randn_like(kd)
-    visible = (torch.arange(context, device=dev).view(1, -1) <= pos.view(-1, 1).long()).view(1, 1, chunk, context)
-    qd = [st["q"].permute(1, 0, 2).unsqueeze(0).contiguous() for st in sets]  # [1, Hq, chunk, D]
-    dfns = [lambda q=q: F.scaled_dot_product_attention(q, kd, vd, attn_mask=visible, scale=scale) for q in qd]
-    theirs = {"dense_sdpa": _theirs(ctx, dfns, "dense_sdpa prefill")}
-    kf, vf = kd[:, :: group].contiguous(), vd[:, :: group].contiguous()  # [1, Hkv, S, D]
-    flex = _flex_fn(ctx)
-    # one set (one mask_mod, one compile): the chunk is compute-bound, L2 does not matter
-    mask = _try(ctx, "flex block mask prefill", lambda: flex_prefill_inputs(sets[0]["topk_idx"], pos0, group, p.m,
-                                                                            context))
-    if mask is not None:
-        ffns = [lambda: flex(qd[0], kf, vf, block_mask=mask, scale=scale, enable_gqa=True)]
-        theirs["flex_attention"] = _theirs(ctx, ffns, "flex_attention prefill")
-    attended = int(sets[0]["sparse_ctx"].sum()) * group
-    flops = 4 * attended * s.d
-    dense_flops = 4 * s.hq * s.d * sum(range(pos0 + 1, context + 1))
-    shape = {"chunk": chunk, "context": context, "selection": "random", "q_heads": s.hq, "kv_heads": s.hkv,
-             "head_dim": s.d, "topk": s.topk, "dtype": s.dtype_name}
-    for (mode, validation), t in ours.items():
-        if t is None:
-            continue
-        for base, times in theirs.items():
-            bt = times.get(mode)
-            if bt is None:
-                continue
-            tflops = flops / (t.ms * 1e-3) / 1e12
-            base_tflops = (dense_flops if base == "dense_sdpa" else flops) / (bt.ms * 1e-3) / 1e12
-            ctx.add("attention_prefill", shape, t.ms, base, bt.ms, None, **t.fields(), validation=validation,
-                    fallback=fallback, baseline_cv=round(bt.cv, 4), attended_TFLOPs=round(tflops, 3),
-                    baseline_TFLOPs=round(base_tflops, 3), flops_ratio=round(tflops / base_tflops, 3))
-    _free(ctx)
-
-
 def run_block_table(ctx: Context) -> None:
     """``build_sparse_block_table_decode`` (caller-owned outputs) against the same table as PyTorch ops."""
     s = _shapes(ctx)
     for batch in s.table_batches:
+        if ctx.out_of_time(f"batch {batch}"):
+            continue
         _block_table_one(ctx, batch)
         _free(ctx)
 
@@ -507,6 +445,8 @@ def run_indexer_decode(ctx: Context) -> None:
     """``index_topk_decode`` (scores + top-k) against einsum, block max and ``torch.topk``."""
     s = _shapes(ctx)
     for batch in s.indexer_batches:
+        if ctx.out_of_time(f"batch {batch}"):
+            continue
         _indexer_decode_one(ctx, batch)
         _free(ctx)
 
@@ -536,6 +476,8 @@ def run_topk(ctx: Context) -> None:
     s = _shapes(ctx)
     g = torch.Generator(device=ctx.device).manual_seed(7)
     for rows in s.topk_rows:
+        if ctx.out_of_time(f"rows {rows}"):
+            continue
         n = num_sets(rows * s.topk_width * 4) if ctx.cuda else 2
         sets = [torch.randn(rows, s.topk_width, generator=g, device=ctx.device) for _ in range(n)]
         fns = [lambda x=x: mm3lab.topk_blocks(x, s.topk) for x in sets]
@@ -560,6 +502,8 @@ def run_index_cache(ctx: Context) -> None:
     flat = cache.view(-1, s.di)
     g = torch.Generator(device=dev).manual_seed(8)
     for tokens in s.insert_tokens:
+        if ctx.out_of_time(f"tokens {tokens}"):
+            continue
         sets = [(torch.randn(tokens, s.di, generator=g, device=dev, dtype=dt),
                  torch.randperm(num_blocks * SPARSE_BLOCK_SIZE, generator=g, device=dev)[:tokens])
                 for _ in range(4 if ctx.cuda else 2)]
@@ -603,6 +547,8 @@ def run_msa_decode(ctx: Context) -> None:
     """One MSA decode step at 128K: ``msa_decode`` and ``MSADecodePlan`` (eager, and graph replay: the
     one-shot call captured, the plan's own ``graph=True``) against dense SDPA and the gather pipeline."""
     for batch in _shapes(ctx).msa_batches:
+        if ctx.out_of_time(f"batch {batch}"):
+            continue
         _msa_decode_one(ctx, batch)
         _free(ctx)
 
@@ -665,6 +611,8 @@ def run_msa_decode_stages(ctx: Context) -> None:
     whole step (``total``: the plan's eager ``run`` with validation off, and its launches in one graph)."""
     s = _shapes(ctx)
     for batch, context in s.stage_shapes:
+        if ctx.out_of_time(f"batch {batch} context {context}"):
+            continue
         _msa_decode_stages_one(ctx, batch, context)
         _free(ctx)
 
@@ -697,15 +645,19 @@ def _msa_decode_stages_one(ctx, batch, context) -> None:
 
 SUITES = {
     "attention_decode": "run_attention_decode",
-    "attention_prefill": "run_attention_prefill",
+    "attention_prefill": "run_prefill",
+    "spec_decode": "run_spec_decode",
     "block_table": "run_block_table",
     "indexer_decode": "run_indexer_decode",
     "topk": "run_topk",
     "index_cache": "run_index_cache",
     "msa_decode": "run_msa_decode",
     "msa_decode_stages": "run_msa_decode_stages",
-    "prefill": "run_prefill",
     "fp8": "run_fp8_grid",
 }
+"""Suite name -> function (its name in this module, or the function itself)."""
+
+from .fp8 import run_fp8_grid  # noqa: F401  (a suite in its own module, named in SUITES)
+from .prefill import run_prefill, run_spec_decode  # noqa: F401  (suites in their own module, named in SUITES)
 
 __all__ = ["SUITES", "Shapes", "dry_run_shapes", "model_shapes"]

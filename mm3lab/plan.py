@@ -264,7 +264,6 @@ class _MSAPlan:
 
     def _launch(self, inputs: dict, caches) -> None:
         """The step's kernels, into the plan's buffers (arguments already checked; allocates nothing)."""
-        from .attention.kernel import sparse_attention_kernel
         from .index_cache.kernel import insert_index_cache_kernel
         from .indexer.kernel import index_scores_kernel, topk_kernel
         from .layout.kernel import write_kv_page16_kernel
@@ -291,10 +290,41 @@ class _MSAPlan:
             batch=self.batch, dql=dql, block_table=bt, block_page_stride=self.block_page_stride,
             sparse_bt=self.sparse_bt, sparse_ctx=self.sparse_ctx,
         )
-        sparse_attention_kernel(
-            inputs["q"], k_cache, v_cache, self.sparse_bt, self.sparse_ctx, self.scale, self.out, self.lse,
-            k_scale, v_scale, workspace=self.workspace,
-        )
+        self._attend(inputs["q"], k_cache, v_cache, k_scale, v_scale)
+
+    def _set_algorithm(self, algorithm) -> None:
+        """Fix the attention kernel: ``algorithm`` if given; ``"rows"`` below ``TILED_MIN_ROWS`` rows (what
+        the one-shot call runs there); else ``None``, the one-shot rule per run (eager plans only: it reads
+        the rows' neighbour share back, which a graph cannot)."""
+        from .attention import ALGORITHMS, TILED_MIN_ROWS
+
+        if algorithm is not None and algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm: expected None or one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}")
+        if algorithm is None and (self.rows < TILED_MIN_ROWS or self._caches[4] is not None):
+            algorithm = "rows"  # (an FP8 KV cache: the per-row kernel, which dequantizes in registers)
+        if algorithm is None and self.graph:
+            raise ValueError(
+                f"algorithm: a graph=True plan of {self.rows} rows (>= {TILED_MIN_ROWS}) needs algorithm='rows' or "
+                "'tiled': the automatic choice reads the selection back on every call, which a graph cannot"
+            )
+        self.algorithm = algorithm
+
+    def _attend(self, q, k_cache, v_cache, k_scale=None, v_scale=None) -> None:
+        """Attention into ``plan.out`` / ``plan.lse`` with the kernel the one-shot call runs (``algorithm``;
+        an FP8 KV cache always takes the per-row kernel, as the one-shot call does)."""
+        from .attention import choose_algorithm, tiled
+        from .attention.kernel import sparse_attention_kernel
+
+        algorithm = self.algorithm
+        if algorithm is None:  # eager, >= TILED_MIN_ROWS rows: the one-shot rule
+            algorithm = choose_algorithm(
+                self.rows, share=lambda: float(tiled.neighbour_share(self.sparse_bt, self.sparse_ctx)))
+        if algorithm == "tiled" and k_scale is None:
+            tiled.tiled_attention_kernel(q, k_cache, v_cache, self.sparse_bt, self.sparse_ctx, self.scale,
+                                         self.out, self.lse)
+        else:
+            sparse_attention_kernel(q, k_cache, v_cache, self.sparse_bt, self.sparse_ctx, self.scale, self.out,
+                                    self.lse, k_scale, v_scale, workspace=self.workspace)
 
     def _run(self, inputs: dict, caches):
         self._check_inputs(inputs, caches)
@@ -408,6 +438,9 @@ class MSADecodePlan(_MSAPlan):
         graph: capture and replay a CUDA graph (CUDA only).
         index_scale, k_scale, v_scale: an FP8 cache's scales (as :func:`mm3lab.msa_decode`), else ``None``.
         query_dtype: the float dtype of the inputs an FP8 cache quantizes (default bfloat16).
+        algorithm: the attention kernel, as :func:`mm3lab.sparse_attention`'s. ``None``: the per-row
+            kernel below ``mm3lab.attention.TILED_MIN_ROWS`` rows; from there up the one-shot rule on
+            every run (eager plans; a ``graph=True`` plan of that many rows needs ``"rows"`` or ``"tiled"``).
     """
 
     def __init__(
@@ -415,6 +448,7 @@ class MSADecodePlan(_MSAPlan):
         decode_query_len: int = 1, topk: int = DEFAULT_TOPK, init_blocks: int = 0, local_blocks: int = 1,
         scale: float | None = None, id_dtype: torch.dtype = torch.int32, graph: bool = False,
         index_scale=None, k_scale=None, v_scale=None, query_dtype: torch.dtype = torch.bfloat16,
+        algorithm: str | None = None,
     ):
         check_int("batch", batch, minimum=1)
         check_int("decode_query_len", decode_query_len, minimum=1)
@@ -424,6 +458,7 @@ class MSADecodePlan(_MSAPlan):
             local_blocks=local_blocks, scale=scale, id_dtype=id_dtype, graph=graph,
             index_scale=index_scale, k_scale=k_scale, v_scale=v_scale, query_dtype=query_dtype,
         )
+        self._set_algorithm(algorithm)
 
     def _value_checks(self, inputs: dict) -> None:
         from .indexer.checks import check_decode
@@ -477,7 +512,7 @@ class MSAPrefillPlan(_MSAPlan):
     def __init__(
         self, k_cache, v_cache, index_cache, *, num_tokens: int, batch: int, max_blocks: int, num_q_heads: int,
         topk: int = DEFAULT_TOPK, init_blocks: int = 0, local_blocks: int = 1, scale: float | None = None,
-        id_dtype: torch.dtype = torch.int32, graph: bool = False,
+        id_dtype: torch.dtype = torch.int32, graph: bool = False, algorithm: str | None = None,
         index_scale=None, k_scale=None, v_scale=None, query_dtype: torch.dtype = torch.bfloat16,
     ):
         super().__init__(
@@ -486,6 +521,7 @@ class MSAPrefillPlan(_MSAPlan):
             local_blocks=local_blocks, scale=scale, id_dtype=id_dtype, graph=graph,
             index_scale=index_scale, k_scale=k_scale, v_scale=v_scale, query_dtype=query_dtype,
         )
+        self._set_algorithm(algorithm)
 
     def _value_checks(self, inputs: dict) -> None:
         from .indexer.checks import check_prefill

@@ -14,7 +14,7 @@ from benchmarks import suites
 from benchmarks.common import bench, num_sets, time_eager
 from mm3lab.constants import SPARSE_BLOCK_SIZE
 
-RECORD_KEYS = {"name", "gpu", "torch", "triton", "shape", "ms", "baseline", "baseline_ms", "speedup", "bytes",
+RECORD_KEYS = {"suite", "name", "gpu", "torch", "triton", "shape", "ms", "baseline", "baseline_ms", "speedup", "bytes",
                "achieved_TBps", "fraction_of_copy_bw", "mode", "cv", "samples", "validation", "fallback"}
 
 
@@ -35,14 +35,25 @@ def test_dry_run_covers_every_suite(tmp_path):
     assert "cold L2" in payload["meta"]["method"]
     records = payload["records"]
     names = {r["name"] for r in records}
-    assert {"sparse_attention", "attention_prefill", "block_table_decode", "indexer_decode", "topk",
-            "index_cache_insert", "msa_decode", "msa_decode_plan"} <= names
+    assert {"sparse_attention", "attention_prefill", "spec_decode_attention", "block_table_decode",
+            "indexer_decode", "topk", "index_cache_insert", "msa_decode", "msa_decode_plan"} <= names
+    assert set(payload["meta"]["suite_seconds"]) == set(suites.SUITES)
+    assert {r["suite"] for r in records} <= set(suites.SUITES) | {"setup"}
+    prefill = [r for r in records if r["name"] == "attention_prefill"]
+    assert {r["shape"]["selection"] for r in prefill} == {"random", "tile", "synthetic"}
+    assert {r["baseline"] for r in prefill} == {"flex_attention", "dense_sdpa", "per_token_kernel"}
+    for r in prefill:
+        assert r["attended_TFLOPs"] >= 0 and r["flops_ratio"] >= 0 and r["algorithm"] in ("rows", "tiled")
+        if r["baseline"] == "flex_attention":
+            assert r["mask_build_ms"] > 0 and r["baseline_rel_error"] < 1e-4
+    assert isinstance(payload["meta"]["goals"], list) and payload["meta"]["goals"]
     for r in records:
         assert RECORD_KEYS <= set(r), r["name"]
         assert r["mode"] == "eager" and r["samples"] == 2 and r["ms"] > 0
         assert r["validation"] in (True, False)
     baselines = {(r["name"], r["baseline"]) for r in records}
     for want in [("sparse_attention", "dense_sdpa"), ("sparse_attention", "gather_sdpa"),
+                 ("spec_decode_attention", "per_token_kernel"), ("attention_prefill", "dense_sdpa"),
                  ("sparse_attention", "flex_attention"), ("attention_prefill", "flex_attention"),
                  ("msa_decode", "dense_sdpa"), ("msa_decode", "gather_sdpa"), ("topk", "torch_topk")]:
         assert want in baselines
@@ -58,6 +69,77 @@ def test_stage_breakdown_runs_the_kernels(tmp_path):
     records = json.loads(out.read_text())["records"]
     stages = [r["shape"]["stage"] for r in records if r["name"] == "msa_decode_stage"]
     assert stages == [*suites.STAGES, "total"]
+
+
+def test_runs_of_some_suites_merge_into_one_file(tmp_path):
+    out = tmp_path / "halves.json"
+    assert _main(["--dry-run", "--only", "topk", "index_cache", "--out", str(out), "--calls", "1",
+                  "--samples", "1"]) == 0
+    assert _main(["--dry-run", "--only", "block_table", "--out", str(out), "--calls", "1", "--samples", "1"]) == 0
+    first = json.loads(out.read_text())
+    assert {r["suite"] for r in first["records"]} == {"topk", "index_cache", "block_table"}
+    assert first["meta"]["suites"] == ["topk", "index_cache", "block_table"] and len(first["meta"]["runs"]) == 2
+    counts = {s: sum(r["suite"] == s for r in first["records"]) for s in ("topk", "index_cache", "block_table")}
+    # running a suite again replaces its records (no duplicates) and keeps the others
+    assert _main(["--dry-run", "--only", "topk", "--out", str(out), "--calls", "1", "--samples", "1"]) == 0
+    again = json.loads(out.read_text())
+    assert {s: sum(r["suite"] == s for r in again["records"]) for s in counts} == counts
+    assert again["meta"]["suites"] == ["index_cache", "block_table", "topk"]
+    # --fresh starts over; --merge joins files without running anything
+    other = tmp_path / "other.json"
+    assert _main(["--dry-run", "--fresh", "--only", "index_cache", "--out", str(other), "--calls", "1",
+                  "--samples", "1"]) == 0
+    assert {r["suite"] for r in json.loads(other.read_text())["records"]} == {"index_cache"}
+    merged = tmp_path / "merged.json"
+    assert _main(["--merge", str(out), str(other), "--out", str(merged)]) == 0
+    both = json.loads(merged.read_text())
+    assert sum(r["suite"] == "index_cache" for r in both["records"]) == counts["index_cache"]
+    assert {r["suite"] for r in both["records"]} == {"topk", "index_cache", "block_table"}
+
+
+def test_a_spent_budget_skips_shapes_and_says_so(tmp_path):
+    out = tmp_path / "budget.json"
+    assert _main(["--dry-run", "--only", "topk", "--budget", "1e-9", "--out", str(out), "--calls", "1",
+                  "--samples", "1"]) == 0
+    payload = json.loads(out.read_text())
+    assert not [r for r in payload["records"] if r["name"] == "topk"]
+    assert any("topk" in n and "budget" in n for n in payload["meta"]["skipped"])
+
+
+def test_goal_check():
+    def rec(name, shape, ms, mode="eager", validation=True, baseline=None, speedup=None, **kw):
+        return {"name": name, "shape": shape, "ms": ms, "mode": mode, "validation": validation,
+                "baseline": baseline, "speedup": speedup, **kw}
+
+    b1 = {"batch": 1, "context": 131072}
+    records = [
+        rec("sparse_attention", b1, 0.020, baseline="dense_sdpa", speedup=4.0),
+        rec("sparse_attention", b1, 0.008, mode="graph", validation=None, baseline="dense_sdpa"),
+        rec("msa_decode", {"batch": 16}, 0.5, baseline="dense_sdpa", speedup=1.5),
+        rec("attention_prefill", {"selection": "tile"}, 1.0, baseline="flex_attention", speedup=1.3),
+        rec("attention_prefill", {"selection": "tile"}, 1.0, baseline="dense_sdpa", speedup=0.5, flops_ratio=0.4),
+        rec("attention_prefill", {"selection": "random"}, 3.5, baseline="flex_attention", speedup=15.0),
+        rec("msa_decode_stage", {"stage": "topk"}, 0.1, validation=False),
+    ]
+    got = {(g["goal"], g["met"]) for g in cli.goals(records)}
+    assert got == {
+        ("sparse_attention batch 1 eager <= 25.0 us", True),
+        ("sparse_attention: eager - graph <= 15.0 us", True),
+        ("msa_decode eager >= 2.0x dense SDPA", False),
+        ("prefill (tile) >= 1.2x FlexAttention", True),
+        ("prefill (tile) >= 50% of dense SDPA's FLOP rate", False),
+        ("prefill (random) >= 10.0x FlexAttention", True),
+        ("prefill (random) <= 3.03 ms", False),
+    }
+
+
+def test_slow_functions_get_fewer_calls_per_sample():
+    import time
+
+    t = time_eager(lambda: time.sleep(0.004), calls=20, samples=2, warmup=1, device="cpu", max_sample_ms=5)
+    assert t.calls == 1 and t.ms >= 4
+    fast = time_eager(lambda: None, calls=20, samples=2, warmup=1, device="cpu", max_sample_ms=5)
+    assert fast.calls == 20
 
 
 def test_timing_helpers_keep_their_plain_signature():
@@ -105,30 +187,6 @@ def test_flex_decode_block_mask_matches_sparse_attention():
     # the causal-only mask (used compiled, where only listed blocks are visited) is the selection's block list
     causal = suites.flex_decode_inputs(topk_idx, suites.flex_causal(seq_lens), hq // hkv, m, context)
     assert torch.equal(causal.kv_num_blocks, mask.kv_num_blocks) and torch.equal(causal.kv_indices, mask.kv_indices)
-
-
-def test_flex_prefill_block_mask_matches_sparse_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    context, chunk, hkv, hq, d, topk = 300, 128, 2, 4, 16, 2
-    cache, bt, m, kd, vd, g = _paged(1, context, hkv, d, seed=1)
-    pos0 = context - chunk
-    pos = torch.arange(pos0, context, dtype=torch.int32)
-    req = torch.zeros(chunk, dtype=torch.int32)
-    self_blk = pos.long() // SPARSE_BLOCK_SIZE
-    scores = torch.rand(hkv, chunk, m, generator=g)
-    scores = scores.masked_fill(torch.arange(m) > self_blk.view(1, -1, 1), -1.0)
-    scores.scatter_(2, self_blk.view(1, -1, 1).expand(hkv, -1, 1), 2.0)
-    topk_idx = scores.topk(topk, dim=-1).indices.to(torch.int32)
-    topk_idx = torch.where(scores.gather(2, topk_idx.long()) < 0, -1, topk_idx)  # not a candidate: padding
-    q = torch.randn(chunk, hq, d, generator=g)
-    with mm3lab.use_backend("torch"):
-        sbt, sctx = mm3lab.build_sparse_block_table_prefill(topk_idx, bt, req, pos)
-        want = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx)
-    mask = suites.flex_prefill_inputs(topk_idx, pos0, hq // hkv, m, context)
-    with _no_warning_check():
-        got = flex_attention(q.permute(1, 0, 2).unsqueeze(0).contiguous(), kd, vd, block_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(got[0].permute(1, 0, 2), want, atol=1e-5, rtol=1e-5)
 
 
 class _no_warning_check:

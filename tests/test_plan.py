@@ -209,3 +209,99 @@ def test_plan_run_is_capturable_by_the_caller():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(plan.out, want)
+
+
+def _prefill_inputs(device, n, seed=3, hq=4, hkv=2, d=16, di=16):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=DT)
+
+    return rnd(n, hq, d), rnd(n, hkv, d), rnd(n, hkv, d), rnd(n, hkv, di), rnd(n, di)
+
+
+def test_prefill_plan_follows_positions_without_replanning(device):
+    layer = _layer(device, batch=2, context=260)
+    plan = mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, num_tokens=4,
+                                 batch=2, max_blocks=layer.block_table.shape[1], num_q_heads=4, topk=2)
+    steps = ([0, 0, 1, 1], [10, 11, 200, 201]), ([1, 0, 0, 1], [-1, 130, 131, -5]), ([0, 1, 1, 1], [259, 0, 1, 2])
+    for step, (req, pos) in enumerate(steps):
+        req = torch.tensor(req, dtype=torch.int32, device=device)
+        pos = torch.tensor(pos, dtype=torch.int32, device=device)
+        args = _prefill_inputs(device, 4, seed=step)
+        kv, kc, vc, ic = _clone_caches(layer)
+        want = mm3lab.msa_prefill(*args, kc, vc, ic, layer.block_table, req, pos, topk=2)
+        got = plan.run(*args, layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, layer.block_table, req,
+                       pos)
+        assert torch.equal(got, want), step
+        assert torch.equal(layer.cache.kv, kv) and torch.equal(layer.index_cache, ic)  # the same cache writes
+        padded = (pos < 0).nonzero().flatten()
+        assert bool((plan.slots[padded] == -1).all()) and bool((got[padded] == 0).all())
+
+
+def test_plan_kernel_choice_follows_the_one_shot_rule(device, monkeypatch):
+    """From ``TILED_MIN_ROWS`` rows up the one-shot call may run the tiled kernel; the plan runs the same one
+    (the threshold is lowered here so that the interpreter runs a small chunk)."""
+    from mm3lab import attention
+
+    monkeypatch.setattr(attention, "TILED_MIN_ROWS", 8)
+    layer = _layer(device, batch=1, context=300)
+    n = 16
+    req = torch.zeros(n, dtype=torch.int32, device=device)
+    pos = torch.arange(300 - n, 300, dtype=torch.int32, device=device)
+    args = _prefill_inputs(device, n)
+    _, kc, vc, ic = _clone_caches(layer)
+    want = mm3lab.msa_prefill(*args, kc, vc, ic, layer.block_table, req, pos, topk=2)
+    kw = {"num_tokens": n, "batch": 1, "max_blocks": layer.block_table.shape[1], "num_q_heads": 4, "topk": 2}
+    plan = mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, **kw)
+    assert plan.algorithm is None
+    got = plan.run(*args, *_run_args(layer)[5:8], layer.block_table, req, pos)
+    assert torch.equal(got, want)
+    for algorithm in ("rows", "tiled"):
+        fixed = mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache,
+                                      algorithm=algorithm, **kw)
+        _, kc, vc, ic = _clone_caches(layer)
+        one = mm3lab.msa_prefill(*args, kc, vc, ic, layer.block_table, req, pos, topk=2)
+        torch.testing.assert_close(fixed.run(*args, *_run_args(layer)[5:8], layer.block_table, req, pos), one,
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="algorithm"):
+        mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, algorithm="fast", **kw)
+    small = _decode_plan(layer, topk=2)
+    assert small.algorithm == "rows"  # below the threshold: always the per-row kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_prefill_plan_replays_with_changing_positions_and_padded_rows():
+    layer = synthetic_layer(700, batch=2, num_kv_heads=2, group_size=4, head_dim=64, index_dim=32,
+                            dtype=torch.bfloat16, device="cuda")
+    n = 6
+    kw = {"num_tokens": n, "batch": 2, "max_blocks": layer.block_table.shape[1], "num_q_heads": 8, "topk": 3}
+    plan = mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, graph=True, **kw)
+    steps = (([0, 0, 0, 1, 1, 1], [300, 301, 302, 640, 641, 642]), ([1, 1, 0, 0, 1, 0], [-1, 5, 6, -1, 129, 7]),
+             ([0, 0, 0, 1, 1, 1], [300, 301, 302, 640, 641, 642]))
+    graph = None
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for step, (req, pos) in enumerate(steps):
+        req = torch.tensor(req, dtype=torch.int32, device="cuda")
+        pos = torch.tensor(pos, dtype=torch.int32, device="cuda")
+        args = [torch.randn(n, *shape, generator=g, device="cuda", dtype=torch.bfloat16)
+                for shape in ((8, 64), (2, 64), (2, 64), (2, 32))] + [
+            torch.randn(n, 32, generator=g, device="cuda", dtype=torch.bfloat16)]
+        _, kc, vc, ic = _clone_caches(layer)
+        want = mm3lab.msa_prefill(*args, kc, vc, ic, layer.block_table, req, pos, topk=3)
+        got = plan.run(*args, layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, layer.block_table,
+                       req.clone(), pos.clone())
+        assert torch.equal(got, want), step
+        graph = graph or plan._cuda_graph
+    assert plan._cuda_graph is graph  # replayed, never re-captured
+    with pytest.raises(ValueError, match="planned for shape"):
+        plan.run(*[a[:-1] for a in args], layer.cache.k_cache, layer.cache.v_cache, layer.index_cache,
+                 layer.block_table, req[:-1], pos[:-1])
+    assert plan._cuda_graph is graph
+    with pytest.raises(ValueError, match="planned on cuda"):
+        plan.run(*[a.cpu() for a in args], layer.cache.k_cache, layer.cache.v_cache, layer.index_cache,
+                 layer.block_table, req, pos)
+    with pytest.raises(ValueError, match="needs algorithm"):
+        mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, graph=True,
+                              **{**kw, "num_tokens": 4096})
