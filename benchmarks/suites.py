@@ -653,9 +653,11 @@ SUITES = {
     "index_cache": "run_index_cache",
     "msa_decode": "run_msa_decode",
     "msa_decode_stages": "run_msa_decode_stages",
+    "fp8": "run_fp8_grid",
 }
 """Suite name -> function (its name in this module, or the function itself)."""
 
+from .fp8 import run_fp8_grid  # noqa: F401  (a suite in its own module, named in SUITES)
 from .prefill import run_prefill, run_spec_decode  # noqa: F401  (suites in their own module, named in SUITES)
 
 __all__ = ["SUITES", "Shapes", "dry_run_shapes", "model_shapes"]

@@ -38,6 +38,13 @@ call to call); a plan for a loop over the same shapes, eager (``graph=False``) w
 the caller captures its own graph or cannot, ``graph=True`` to get graph-replay
 speed without writing the capture.
 
+FP8 caches (SPEC section 9): pass the scales at construction and at every run, as the
+one-shot functions take them (``index_scale=`` for an FP8 index cache, ``k_scale=`` /
+``v_scale=`` for an FP8 KV cache); they are fixed like the caches (shape, dtype, device
+checked per run, a new address is captured again). With an FP8 cache the inputs' float
+dtype is not the cache's: ``query_dtype=`` (default bfloat16) fixes the dtype of ``q``,
+``key``, ``value`` (FP8 KV cache) and of ``index_q``, ``index_k`` (FP8 index cache).
+
 On a backend where a step takes the PyTorch path (``mm3lab.set_backend("torch")``,
 bfloat16 in the interpreter, float32 with more than 16 index heads on a GPU), ``run``
 calls the one-shot function (same answer, allocations included) and ``graph=True`` is
@@ -61,8 +68,9 @@ from ._checks import (
 )
 from ._rows import rows_and_slots
 from .constants import DEFAULT_TOPK, PAGES_PER_SPARSE_BLOCK
-from .index_cache.checks import check_index_cache
-from .layout.views import check_kv_views
+from .fp8 import FP8_DTYPE
+from .index_cache.checks import check_index_cache, check_index_scale
+from .layout.views import check_kv_scales, check_kv_views
 
 __all__ = ["MSADecodePlan", "MSAPrefillPlan"]
 
@@ -83,9 +91,14 @@ class _MSAPlan:
     def __init__(
         self, k_cache, v_cache, index_cache, *, rows: int, batch: int, max_blocks: int, num_q_heads: int,
         decode_query_len: int, topk: int, init_blocks: int, local_blocks: int, scale, id_dtype, graph: bool,
+        index_scale=None, k_scale=None, v_scale=None, query_dtype=torch.bfloat16,
     ):
         stride = check_kv_views(k_cache, v_cache)
         check_index_cache(index_cache)
+        check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+        check_index_scale(index_cache, index_scale)
+        if query_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"query_dtype: expected float32, float16 or bfloat16, got {query_dtype}")
         device = check_same_device(k_cache=k_cache, index_cache=index_cache)
         self.batch = check_int("batch", batch, minimum=1)
         self.max_blocks = check_int("max_blocks", max_blocks, minimum=1)
@@ -115,9 +128,13 @@ class _MSAPlan:
         self.scale = float(scale)
         self.block_page_stride = stride
         self.device = device
-        self.dtype, self.index_dtype, self.id_dtype = k_cache.dtype, index_cache.dtype, id_dtype
+        self.cache_dtype, self.index_cache_dtype, self.id_dtype = k_cache.dtype, index_cache.dtype, id_dtype
+        # input dtypes: the cache's, or query_dtype where the cache is FP8 (it quantizes what it is given)
+        self.dtype = query_dtype if k_cache.dtype == FP8_DTYPE else k_cache.dtype
+        self.index_dtype = query_dtype if index_cache.dtype == FP8_DTYPE else index_cache.dtype
         self.num_kv_heads, self.head_dim, self.index_dim = hkv, d, index_cache.shape[2]
-        self.uses_kernels = self._kernels_apply(k_cache, index_cache)
+        self._caches = (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale)
+        self.uses_kernels = self._kernels_apply()
         if graph and device.type != "cuda":
             raise ValueError("graph=True: CUDA graphs need a CUDA device; on the CPU use graph=False (same API)")
         if graph and not self.uses_kernels:
@@ -127,17 +144,21 @@ class _MSAPlan:
                 "which allocates per call; use graph=False"
             )
         self.graph = graph
-        self._caches = (k_cache, v_cache, index_cache)
-        self._cache_prints = tuple(_fingerprint(t) for t in self._caches)
+        self._caches = (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale)
+        self._cache_prints = tuple(None if t is None else _fingerprint(t) for t in self._caches)
         self._allocate()
         self._cuda_graph = None
         self._captured_with = None
 
     # --- construction ----------------------------------------------------------------------
 
-    def _kernels_apply(self, k_cache, index_cache) -> bool:
-        interpreted_bf16 = backend.INTERPRETER and torch.bfloat16 in (k_cache.dtype, index_cache.dtype)
-        wide_fp32 = index_cache.dtype == torch.float32 and k_cache.shape[2] > 16 and not backend.INTERPRETER
+    def _kernels_apply(self) -> bool:
+        k_cache, index_cache = self._caches[0], self._caches[2]
+        interpreted_bf16 = backend.INTERPRETER and torch.bfloat16 in (self.dtype, self.index_dtype)
+        wide_fp32 = (
+            self.index_dtype == torch.float32 and index_cache.dtype != FP8_DTYPE and k_cache.shape[2] > 16
+            and not backend.INTERPRETER
+        )
         return backend.use_kernel(k_cache, index_cache) and not interpreted_bf16 and not wide_fp32
 
     def _allocate(self) -> None:
@@ -218,7 +239,14 @@ class _MSAPlan:
                 )
             if t.device != self.device:
                 raise ValueError(f"{name}: the {kind} was planned on {self.device}, got a tensor on {t.device}")
-        for name, t, planned in zip(("k_cache", "v_cache", "index_cache"), caches, self._cache_prints):
+        names = ("k_cache", "v_cache", "index_cache", "index_scale", "k_scale", "v_scale")
+        for name, t, planned in zip(names, caches, self._cache_prints):
+            if planned is None:
+                if t is not None:
+                    raise ValueError(f"{name}: the {kind} was planned without it (not an FP8 cache), pass None")
+                continue
+            if t is None:
+                raise ValueError(f"{name}: the {kind} was planned with an FP8 cache and its scales; got None")
             check_tensor(name, t)
             got = _fingerprint(t)
             if got[:4] != planned[:4]:
@@ -240,7 +268,7 @@ class _MSAPlan:
         from .indexer.kernel import index_scores_kernel, topk_kernel
         from .layout.kernel import write_kv_page16_kernel
 
-        k_cache, v_cache, index_cache = caches
+        k_cache, v_cache, index_cache, index_scale, k_scale, v_scale = caches
         bt = inputs["block_table"]
         if self._prefill:
             req, pos, dql, lens = inputs["query_req_id"], inputs["query_abs_pos"], 1, None
@@ -249,18 +277,20 @@ class _MSAPlan:
             lens, dql = inputs["seq_lens"], self.decode_query_len
             req = pos = lens  # what the decode kernels read (rows are derived from seq_lens)
             rows_and_slots(bt, self.req, self.pos, self.slots, seq_lens=lens, decode_query_len=dql)
-        insert_index_cache_kernel(inputs["index_k"], index_cache, self.slots)
-        write_kv_page16_kernel(inputs["key"], inputs["value"], k_cache, v_cache, self.slots, self.block_page_stride)
+        insert_index_cache_kernel(inputs["index_k"], index_cache, self.slots, index_scale)
+        write_kv_page16_kernel(
+            inputs["key"], inputs["value"], k_cache, v_cache, self.slots, self.block_page_stride, k_scale, v_scale
+        )
         index_scores_kernel(
             inputs["index_q"], index_cache, bt, req, pos, dql, self._prefill, self.init_blocks, self.local_blocks,
-            True, self.scores,
+            True, self.scores, index_scale=index_scale,
         )
         topk_kernel(
             self.scores, self.topk, self.topk_idx, positions=2 if self._prefill else 1, req=req, pos=pos,
             batch=self.batch, dql=dql, block_table=bt, block_page_stride=self.block_page_stride,
             sparse_bt=self.sparse_bt, sparse_ctx=self.sparse_ctx,
         )
-        self._attend(inputs["q"], k_cache, v_cache)
+        self._attend(inputs["q"], k_cache, v_cache, k_scale, v_scale)
 
     def _set_algorithm(self, algorithm) -> None:
         """Fix the attention kernel: ``algorithm`` if given; ``"rows"`` below ``TILED_MIN_ROWS`` rows (what
@@ -270,8 +300,8 @@ class _MSAPlan:
 
         if algorithm is not None and algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: expected None or one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}")
-        if algorithm is None and self.rows < TILED_MIN_ROWS:
-            algorithm = "rows"
+        if algorithm is None and (self.rows < TILED_MIN_ROWS or self._caches[4] is not None):
+            algorithm = "rows"  # (an FP8 KV cache: the per-row kernel, which dequantizes in registers)
         if algorithm is None and self.graph:
             raise ValueError(
                 f"algorithm: a graph=True plan of {self.rows} rows (>= {TILED_MIN_ROWS}) needs algorithm='rows' or "
@@ -279,8 +309,9 @@ class _MSAPlan:
             )
         self.algorithm = algorithm
 
-    def _attend(self, q, k_cache, v_cache) -> None:
-        """Attention into ``plan.out`` / ``plan.lse`` with the kernel the one-shot call runs (``algorithm``)."""
+    def _attend(self, q, k_cache, v_cache, k_scale=None, v_scale=None) -> None:
+        """Attention into ``plan.out`` / ``plan.lse`` with the kernel the one-shot call runs (``algorithm``;
+        an FP8 KV cache always takes the per-row kernel, as the one-shot call does)."""
         from .attention import choose_algorithm, tiled
         from .attention.kernel import sparse_attention_kernel
 
@@ -288,12 +319,12 @@ class _MSAPlan:
         if algorithm is None:  # eager, >= TILED_MIN_ROWS rows: the one-shot rule
             algorithm = choose_algorithm(
                 self.rows, share=lambda: float(tiled.neighbour_share(self.sparse_bt, self.sparse_ctx)))
-        if algorithm == "tiled":
+        if algorithm == "tiled" and k_scale is None:
             tiled.tiled_attention_kernel(q, k_cache, v_cache, self.sparse_bt, self.sparse_ctx, self.scale,
                                          self.out, self.lse)
         else:
             sparse_attention_kernel(q, k_cache, v_cache, self.sparse_bt, self.sparse_ctx, self.scale, self.out,
-                                    self.lse, workspace=self.workspace)
+                                    self.lse, k_scale, v_scale, workspace=self.workspace)
 
     def _run(self, inputs: dict, caches):
         self._check_inputs(inputs, caches)
@@ -309,7 +340,7 @@ class _MSAPlan:
             static[name].copy_(t)
         if self._prefill:
             self.req, self.pos = static["query_req_id"], static["query_abs_pos"]
-        prints = tuple(_fingerprint(t) for t in caches)
+        prints = tuple(None if t is None else _fingerprint(t) for t in caches)
         if self._cuda_graph is None or self._captured_with != prints:
             self._capture(caches)
             self._captured_with = prints
@@ -343,7 +374,7 @@ class _MSAPlan:
         from .indexer.kernel import index_scores_kernel, topk_kernel
         from .layout.kernel import write_kv_page16_kernel
 
-        k_cache, v_cache, index_cache = caches
+        k_cache, v_cache, index_cache, index_scale, k_scale, v_scale = caches
         bt = inputs["block_table"]
         if self._prefill:
             req, pos, dql = inputs["query_req_id"], inputs["query_abs_pos"], 1
@@ -360,14 +391,16 @@ class _MSAPlan:
 
         def insert():
             rows()
-            insert_index_cache_kernel(inputs["index_k"], index_cache, self.slots)
-            write_kv_page16_kernel(inputs["key"], inputs["value"], k_cache, v_cache, self.slots, self.block_page_stride)
+            insert_index_cache_kernel(inputs["index_k"], index_cache, self.slots, index_scale)
+            write_kv_page16_kernel(
+                inputs["key"], inputs["value"], k_cache, v_cache, self.slots, self.block_page_stride, k_scale, v_scale
+            )
 
         return {
             "insert": insert,
             "indexer_scores": lambda: index_scores_kernel(
                 inputs["index_q"], index_cache, bt, req, pos, dql, self._prefill, self.init_blocks,
-                self.local_blocks, True, self.scores),
+                self.local_blocks, True, self.scores, index_scale=index_scale),
             "topk": lambda: topk_kernel(
                 self.scores, self.topk, self.topk_idx, positions=positions, req=req, pos=pos, batch=self.batch,
                 dql=dql),
@@ -378,14 +411,14 @@ class _MSAPlan:
                 sparse_ctx=self.sparse_ctx),
             "attention": lambda: sparse_attention_kernel(
                 inputs["q"], k_cache, v_cache, self.sparse_bt, self.sparse_ctx, self.scale, self.out, self.lse,
-                workspace=self.workspace),
+                k_scale, v_scale, workspace=self.workspace),
         }
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(rows={self.rows}, batch={self.batch}, max_blocks={self.max_blocks}, "
             f"heads={self.num_q_heads}/{self.num_kv_heads}, head_dim={self.head_dim}, index_dim={self.index_dim}, "
-            f"dtype={dtype_name(self.dtype)}, topk={self.topk}, block_page_stride={self.block_page_stride}, "
+            f"dtype={dtype_name(self.dtype)}, cache={dtype_name(self.cache_dtype)}/{dtype_name(self.index_cache_dtype)}, topk={self.topk}, block_page_stride={self.block_page_stride}, "
             f"graph={self.graph}, kernels={self.uses_kernels})"
         )
 
@@ -403,6 +436,8 @@ class MSADecodePlan(_MSAPlan):
         decode_query_len, topk, init_blocks, local_blocks, scale: as :func:`mm3lab.msa_decode`.
         id_dtype: dtype of ``block_table`` and ``seq_lens`` (int32 or int64).
         graph: capture and replay a CUDA graph (CUDA only).
+        index_scale, k_scale, v_scale: an FP8 cache's scales (as :func:`mm3lab.msa_decode`), else ``None``.
+        query_dtype: the float dtype of the inputs an FP8 cache quantizes (default bfloat16).
         algorithm: the attention kernel, as :func:`mm3lab.sparse_attention`'s. ``None``: the per-row
             kernel below ``mm3lab.attention.TILED_MIN_ROWS`` rows; from there up the one-shot rule on
             every run (eager plans; a ``graph=True`` plan of that many rows needs ``"rows"`` or ``"tiled"``).
@@ -412,6 +447,7 @@ class MSADecodePlan(_MSAPlan):
         self, k_cache, v_cache, index_cache, *, batch: int, max_blocks: int, num_q_heads: int,
         decode_query_len: int = 1, topk: int = DEFAULT_TOPK, init_blocks: int = 0, local_blocks: int = 1,
         scale: float | None = None, id_dtype: torch.dtype = torch.int32, graph: bool = False,
+        index_scale=None, k_scale=None, v_scale=None, query_dtype: torch.dtype = torch.bfloat16,
         algorithm: str | None = None,
     ):
         check_int("batch", batch, minimum=1)
@@ -420,6 +456,7 @@ class MSADecodePlan(_MSAPlan):
             k_cache, v_cache, index_cache, rows=batch * decode_query_len, batch=batch, max_blocks=max_blocks,
             num_q_heads=num_q_heads, decode_query_len=decode_query_len, topk=topk, init_blocks=init_blocks,
             local_blocks=local_blocks, scale=scale, id_dtype=id_dtype, graph=graph,
+            index_scale=index_scale, k_scale=k_scale, v_scale=v_scale, query_dtype=query_dtype,
         )
         self._set_algorithm(algorithm)
 
@@ -428,17 +465,18 @@ class MSADecodePlan(_MSAPlan):
 
         check_decode(
             inputs["index_q"], self._caches[2], inputs["block_table"], inputs["seq_lens"], self.topk,
-            self.decode_query_len, self.init_blocks, self.local_blocks,
+            self.decode_query_len, self.init_blocks, self.local_blocks, self._caches[3],
         )
 
     def _one_shot(self, inputs: dict, caches):
         from .msa import msa_decode
 
-        k_cache, v_cache, index_cache = caches
+        k_cache, v_cache, index_cache, index_scale, k_scale, v_scale = caches
         return msa_decode(
             inputs["q"], inputs["key"], inputs["value"], inputs["index_q"], inputs["index_k"], k_cache, v_cache,
             index_cache, inputs["block_table"], inputs["seq_lens"], decode_query_len=self.decode_query_len,
             topk=self.topk, init_blocks=self.init_blocks, local_blocks=self.local_blocks, scale=self.scale,
+            index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
         )
 
     @staticmethod
@@ -446,16 +484,19 @@ class MSADecodePlan(_MSAPlan):
         return {"q": q, "key": key, "value": value, "index_q": index_q, "index_k": index_k, "block_table": block_table,
                     "seq_lens": seq_lens}
 
-    def run(self, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, seq_lens):
+    def run(self, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, seq_lens, *,
+            index_scale=None, k_scale=None, v_scale=None):
         """One decode step, arguments as :func:`mm3lab.msa_decode`; returns ``plan.out [N, Hq, D]``."""
         return self._run(self._inputs(q, key, value, index_q, index_k, block_table, seq_lens),
-                         (k_cache, v_cache, index_cache))
+                         (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale))
 
-    def stages(self, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, seq_lens):
+    def stages(self, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, seq_lens, *,
+               index_scale=None, k_scale=None, v_scale=None):
         """The step's launches as callables; see :meth:`_MSAPlan.stages`."""
         inputs = self._inputs(q, key, value, index_q, index_k, block_table, seq_lens)
-        self._check_inputs(inputs, (k_cache, v_cache, index_cache))
-        return super().stages(inputs, (k_cache, v_cache, index_cache))
+        caches = (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale)
+        self._check_inputs(inputs, caches)
+        return super().stages(inputs, caches)
 
 
 class MSAPrefillPlan(_MSAPlan):
@@ -472,11 +513,13 @@ class MSAPrefillPlan(_MSAPlan):
         self, k_cache, v_cache, index_cache, *, num_tokens: int, batch: int, max_blocks: int, num_q_heads: int,
         topk: int = DEFAULT_TOPK, init_blocks: int = 0, local_blocks: int = 1, scale: float | None = None,
         id_dtype: torch.dtype = torch.int32, graph: bool = False, algorithm: str | None = None,
+        index_scale=None, k_scale=None, v_scale=None, query_dtype: torch.dtype = torch.bfloat16,
     ):
         super().__init__(
             k_cache, v_cache, index_cache, rows=num_tokens, batch=batch, max_blocks=max_blocks,
             num_q_heads=num_q_heads, decode_query_len=1, topk=topk, init_blocks=init_blocks,
             local_blocks=local_blocks, scale=scale, id_dtype=id_dtype, graph=graph,
+            index_scale=index_scale, k_scale=k_scale, v_scale=v_scale, query_dtype=query_dtype,
         )
         self._set_algorithm(algorithm)
 
@@ -485,17 +528,18 @@ class MSAPrefillPlan(_MSAPlan):
 
         check_prefill(
             inputs["index_q"], self._caches[2], inputs["block_table"], inputs["query_req_id"],
-            inputs["query_abs_pos"], self.topk, self.init_blocks, self.local_blocks,
+            inputs["query_abs_pos"], self.topk, self.init_blocks, self.local_blocks, self._caches[3],
         )
 
     def _one_shot(self, inputs: dict, caches):
         from .msa import msa_prefill
 
-        k_cache, v_cache, index_cache = caches
+        k_cache, v_cache, index_cache, index_scale, k_scale, v_scale = caches
         return msa_prefill(
             inputs["q"], inputs["key"], inputs["value"], inputs["index_q"], inputs["index_k"], k_cache, v_cache,
             index_cache, inputs["block_table"], inputs["query_req_id"], inputs["query_abs_pos"],
             topk=self.topk, init_blocks=self.init_blocks, local_blocks=self.local_blocks, scale=self.scale,
+            index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
         )
 
     @staticmethod
@@ -504,17 +548,18 @@ class MSAPrefillPlan(_MSAPlan):
                     "query_req_id": query_req_id, "query_abs_pos": query_abs_pos}
 
     def run(self, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, query_req_id,
-            query_abs_pos):
+            query_abs_pos, *, index_scale=None, k_scale=None, v_scale=None):
         """One prefill step, arguments as :func:`mm3lab.msa_prefill`; returns ``plan.out [N, Hq, D]``."""
         inputs = self._inputs(q, key, value, index_q, index_k, block_table, query_req_id, query_abs_pos)
         if not self.graph:
             self.req, self.pos = query_req_id, query_abs_pos
-        return self._run(inputs, (k_cache, v_cache, index_cache))
+        return self._run(inputs, (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale))
 
     def stages(self, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, query_req_id,
-               query_abs_pos):
+               query_abs_pos, *, index_scale=None, k_scale=None, v_scale=None):
         """The step's launches as callables; see :meth:`_MSAPlan.stages`."""
         inputs = self._inputs(q, key, value, index_q, index_k, block_table, query_req_id, query_abs_pos)
-        self._check_inputs(inputs, (k_cache, v_cache, index_cache))
-        return super().stages(inputs, (k_cache, v_cache, index_cache))
+        caches = (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale)
+        self._check_inputs(inputs, caches)
+        return super().stages(inputs, caches)
 

@@ -17,8 +17,8 @@ number below, is the same on any CPU, BLAS or thread count. Then:
 * **recall** at top-k: ``|bf16 set & fp8 set| / |bf16 set|`` per (head, row), the
   share of bf16's blocks that FP8 also selects, averaged;
 * **mass captured**: the share of a full causal softmax's attention mass on the
-  selected blocks (:func:`mm3lab.indexer.analysis.attention_mass_captured`), for
-  each key dtype.
+  selected blocks (as :func:`mm3lab.indexer.analysis.attention_mass_captured`, here in
+  float64 so the rounded numbers do not depend on the BLAS), for each key dtype.
 
 Rows are :func:`mm3lab.indexer.analysis.default_positions` (evenly spread, last token
 included); forcing is MiniMax-M3's (``init_blocks = 0``, ``local_blocks = 1``).
@@ -33,7 +33,7 @@ import torch
 
 from ..constants import INIT_SCORE, LOCAL_SCORE, SPARSE_BLOCK_SIZE
 from ..fp8 import round_trip
-from .analysis import Selection, attention_mass_captured, default_positions, full_attention
+from .analysis import Selection, default_positions
 
 KEY_DTYPES = ("bf16", "fp8")
 """The index-key dtypes compared."""
@@ -114,7 +114,7 @@ class FP8Comparison:
         scores: ``{"bf16": [H, T, nb], "fp8": ...}`` forced float64 scores.
         topk_idx: ``{"bf16": [H, T, K], "fp8": ...}`` int32 selections, best first.
         topk: ``K``.
-        probs: ``[Hq, T, S]`` full causal softmax of the rows (for the mass captured).
+        probs: ``[Hq, T, S]`` float64 full causal softmax of the rows (for the mass captured).
         seq: the synthetic sequence.
     """
 
@@ -141,7 +141,13 @@ class FP8Comparison:
 
     def mass(self, key_dtype: str, topk: int | None = None) -> float:
         """Mean attention mass captured by ``key_dtype``'s blocks at ``topk``."""
-        return float(attention_mass_captured(self.seq, self.selection(key_dtype, topk), self.probs).double().mean())
+        sel = self.selection(key_dtype, topk)
+        hq, t, s = self.probs.shape
+        padded = torch.zeros(hq, t, sel.num_blocks * SPARSE_BLOCK_SIZE, dtype=torch.float64)
+        padded[..., :s] = self.probs
+        mass = padded.view(hq, t, sel.num_blocks, SPARSE_BLOCK_SIZE).sum(-1)
+        chosen = sel.selected_mask().repeat_interleave(hq // sel.selected_mask().shape[0], dim=0)
+        return float((mass * chosen).sum(-1).mean())
 
     def differing(self, topk: int | None = None) -> torch.Tensor:
         """``[H, T, nb]`` int8: 0 neither, 1 both, 2 bf16 only, 3 fp8 only (blocks at ``topk``)."""
@@ -154,6 +160,17 @@ class FP8Comparison:
         return out
 
 
+def _full_attention64(seq, positions: torch.Tensor) -> torch.Tensor:
+    """``[Hq, T, S]`` float64 causal softmax of the rows (scale ``D ** -0.5``)."""
+    pos = positions.cpu().long()
+    group = seq.num_q_heads // seq.num_kv_heads
+    q = seq.q.cpu().double()[pos]
+    k = seq.k.cpu().double().repeat_interleave(group, dim=1)
+    logits = torch.einsum("thd,shd->hts", q, k) * seq.head_dim ** -0.5
+    future = torch.arange(seq.seq_len).view(1, 1, -1) > pos.view(1, -1, 1)
+    return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+
+
 def compare(pattern: str, context: int, topk: int = 16, rows: int = 32, seed: int = 0) -> FP8Comparison:
     """Score ``rows`` query rows of a ``pattern`` sequence of ``context`` tokens with bf16 and FP8 keys."""
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
@@ -164,7 +181,7 @@ def compare(pattern: str, context: int, topk: int = 16, rows: int = 32, seed: in
     for key_dtype in KEY_DTYPES:
         scores[key_dtype] = block_scores(seq.index_q[pos], index_keys(seq.index_k, key_dtype), pos)
         ids[key_dtype] = select(scores[key_dtype], pos, topk)
-    probs = full_attention(seq, pos)
+    probs = _full_attention64(seq, pos)
     return FP8Comparison(pattern, context, pos, scores, ids, topk, probs, seq)
 
 

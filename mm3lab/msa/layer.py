@@ -14,6 +14,13 @@
 Both caches take the same slot, from the one block table
 (:func:`mm3lab.index_cache.token_slots`: ``block_table[r, p // 128] * 128 + p % 128``). Everything is validated
 before the first cache write, so bad input leaves every cache untouched.
+
+FP8 caches (SPEC section 9): an FP8 index cache takes its per-token scales as ``index_scale=``
+(:func:`mm3lab.allocate_index_scale`), an FP8 KV cache its per-(token, head) scales as ``k_scale=`` /
+``v_scale=`` (``PagedKVCache.k_scale`` / ``.v_scale``). The insert quantizes the new tokens, the indexer
+and the attention read the stored values times their scales. With an FP8 KV cache ``q``, ``key`` and
+``value`` may be any float dtype (one dtype for the three); with an FP8 index cache, so may ``index_q`` and
+``index_k``. Other caches take ``None`` for their scales.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from .._checks import check_index, check_int, check_no_alias, check_same_device,
 from .._rows import rows_and_slots
 from ..attention import sparse_attention
 from ..constants import DEFAULT_TOPK
+from ..fp8 import FP8_DTYPE
 from ..index_cache import insert_index_cache, token_slots
 from ..index_cache.checks import check_index_cache, check_insert_index_cache
 from ..indexer import (
@@ -39,6 +47,7 @@ from ..indexer.checks import check_decode as check_indexer_decode
 from ..indexer.checks import check_prefill as check_indexer_prefill
 from ..layout import check_kv_views, num_cache_blocks, write_kv_page16
 from ..layout.checks import check_write_kv
+from ..layout.views import check_kv_scales
 
 __all__ = ["MSAStep", "decode_query_rows", "msa_decode", "msa_prefill"]
 
@@ -95,9 +104,10 @@ def decode_query_rows(seq_lens: torch.Tensor, decode_query_len: int = 1) -> tupl
 # ----------------------------------------------------------------------------
 
 
-def _check_query(q, k_cache, v_cache, index_q=None) -> int:
+def _check_query(q, k_cache, v_cache, index_q=None, k_scale=None, v_scale=None) -> int:
     """``q`` (and ``index_q``) against the KV cache, what later steps would reject; returns ``block_page_stride``."""
     block_page_stride = check_kv_views(k_cache, v_cache)
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)  # FP8 KV (SPEC section 9)
     _, _, hkv, d = k_cache.shape
     if index_q is not None:
         check_tensor("index_q", index_q, ndim=3)
@@ -106,7 +116,7 @@ def _check_query(q, k_cache, v_cache, index_q=None) -> int:
                 f"index_q: {index_q.shape[1]} index heads, but the KV cache has {hkv} KV heads (one index head each)"
             )
     check_tensor("q", q, ndim=3)
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE:  # an FP8 cache takes queries of any float dtype
         raise TypeError(f"q: dtype {q.dtype} differs from k_cache's {k_cache.dtype}")
     if q.shape[2] != d:
         raise ValueError(f"q: head dim {q.shape[2]} does not match k_cache's head dim {d}")
@@ -129,6 +139,7 @@ def _decode_rows_and_slots(block_table, seq_lens, decode_query_len):
 
 def _prepare_inserts(
     q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, *, scale=None, table_checked=False, slots=None,
+    index_scale=None, k_scale=None, v_scale=None,
 ) -> torch.Tensor:
     """Slots of the new tokens, after checking every argument of the step (SPEC section 7).
 
@@ -140,20 +151,25 @@ def _prepare_inserts(
     _, _, hkv, d = k_cache.shape
     if q.shape[0] != n:
         raise ValueError(f"q: expected one row per query token ({n}), got {q.shape[0]}")
-    check_tensor("key", key, shape=(n, hkv, d), dtypes=(k_cache.dtype,))
-    check_tensor("value", value, shape=(n, hkv, d), dtypes=(k_cache.dtype,))
+    kv_dtype = q.dtype if k_cache.dtype == FP8_DTYPE else k_cache.dtype  # FP8: new K/V in q's dtype, quantized
+    check_tensor("key", key, shape=(n, hkv, d), dtypes=(kv_dtype,))
+    check_tensor("value", value, shape=(n, hkv, d), dtypes=(kv_dtype,))
     check_scale(scale, d)
     check_same_device(q=q, k_cache=k_cache, key=key, value=value, block_table=block_table)
-    check_no_alias(k_cache=k_cache, v_cache=v_cache, inputs={"q": q, "key": key, "value": value, "index_k": index_k})
+    inputs = {"q": q, "key": key, "value": value, "index_k": index_k}
+    check_no_alias(k_cache=k_cache, v_cache=v_cache, inputs=inputs)
     if index_cache is not None:
-        check_no_alias(index_cache=index_cache, inputs={"q": q, "key": key, "value": value, "index_k": index_k})
+        check_no_alias(index_cache=index_cache, inputs=inputs)
+    scales = {k: v for k, v in (("index_scale", index_scale), ("k_scale", k_scale), ("v_scale", v_scale)) if v is not None}
+    if scales:
+        check_no_alias(**scales, inputs=inputs)
     if not table_checked:
         check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache")
     if slots is None:
         slots = token_slots(block_table, req, pos)
-    check_write_kv(key, value, k_cache, v_cache, slots)
+    check_write_kv(key, value, k_cache, v_cache, slots, k_scale, v_scale)
     if index_cache is not None:
-        check_insert_index_cache(index_k, index_cache, slots)
+        check_insert_index_cache(index_k, index_cache, slots, index_scale)
     return slots
 
 
@@ -170,10 +186,10 @@ def _check_index_step(index_k, index_cache, k_cache, v_cache, topk) -> None:
         )
 
 
-def _insert(key, value, index_k, k_cache, v_cache, index_cache, slots) -> None:
+def _insert(key, value, index_k, k_cache, v_cache, index_cache, slots, index_scale=None, k_scale=None, v_scale=None):
     if index_cache is not None:
-        insert_index_cache(index_k, index_cache, slots)
-    write_kv_page16(key, value, k_cache, v_cache, slots)
+        insert_index_cache(index_k, index_cache, slots, index_scale=index_scale)
+    write_kv_page16(key, value, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
 
 
 # ----------------------------------------------------------------------------
@@ -199,6 +215,9 @@ def msa_decode(
     local_blocks: int = 1,
     scale: float | None = None,
     return_intermediates: bool = False,
+    index_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """One MSA layer for decode (and speculative-decode) rows: insert, select, attend.
 
@@ -219,13 +238,15 @@ def msa_decode(
         topk, init_blocks, local_blocks: the selection (model defaults: 16, 0, 1).
         scale: attention scale, default ``D ** -0.5``.
         return_intermediates: also return an :class:`MSAStep`.
+        index_scale: ``[num_blocks, 128]`` float32 per-token scales of an FP8 index cache, else ``None``.
+        k_scale, v_scale: ``[pages, 16, Hkv]`` float32 scale views of an FP8 KV cache, else ``None``.
     Returns:
         ``out [N, Hq, D]`` in q's dtype, or ``(out, MSAStep)``.
     """
-    block_page_stride = _check_query(q, k_cache, v_cache, index_q)
+    block_page_stride = _check_query(q, k_cache, v_cache, index_q, k_scale, v_scale)
     _check_index_step(index_k, index_cache, k_cache, v_cache, topk)
     check_indexer_decode(
-        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks
+        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
     )
     req, pos, slots = _decode_rows_and_slots(block_table, seq_lens, decode_query_len)
     # The values were checked above, in one launch and one host read (check_indexer_decode): the
@@ -234,17 +255,19 @@ def msa_decode(
     with validation(False):
         slots = _prepare_inserts(
             q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale,
-            table_checked=True, slots=slots,
+            table_checked=True, slots=slots, index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
         )
-        _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
+        _insert(key, value, index_k, k_cache, v_cache, index_cache, slots, index_scale, k_scale, v_scale)
         topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_decode(
             index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
-            block_page_stride,
+            block_page_stride, index_scale=index_scale,
         )
-        out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
+        out, lse = sparse_attention(
+            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True, k_scale=k_scale, v_scale=v_scale
+        )
         if not return_intermediates:
             return out
-        scores = index_scores_decode(index_q, index_cache, block_table, seq_lens, decode_query_len)
+        scores = index_scores_decode(index_q, index_cache, block_table, seq_lens, decode_query_len, index_scale=index_scale)
     return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)
 
 
@@ -266,6 +289,9 @@ def msa_prefill(
     local_blocks: int = 1,
     scale: float | None = None,
     return_intermediates: bool = False,
+    index_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """One MSA layer for prefill rows, each with its own request and position.
 
@@ -278,10 +304,10 @@ def msa_prefill(
     Returns:
         ``out [N, Hq, D]``, or ``(out, MSAStep)``.
     """
-    block_page_stride = _check_query(q, k_cache, v_cache, index_q)
+    block_page_stride = _check_query(q, k_cache, v_cache, index_q, k_scale, v_scale)
     _check_index_step(index_k, index_cache, k_cache, v_cache, topk)
     check_indexer_prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
     )
     req, pos = query_req_id, query_abs_pos
     slots = torch.empty(pos.shape[0], dtype=torch.int64, device=pos.device)
@@ -289,14 +315,17 @@ def msa_prefill(
     with validation(False):  # values checked above in one read (check_indexer_prefill): not again
         slots = _prepare_inserts(
             q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale,
-            table_checked=True, slots=slots,
+            table_checked=True, slots=slots, index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
         )
-        _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
+        _insert(key, value, index_k, k_cache, v_cache, index_cache, slots, index_scale, k_scale, v_scale)
         topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_prefill(
-            index_q, index_cache, block_table, req, pos, topk, init_blocks, local_blocks, block_page_stride
+            index_q, index_cache, block_table, req, pos, topk, init_blocks, local_blocks, block_page_stride,
+            index_scale=index_scale,
         )
-        out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
+        out, lse = sparse_attention(
+            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True, k_scale=k_scale, v_scale=v_scale
+        )
         if not return_intermediates:
             return out
-        scores = index_scores_prefill(index_q, index_cache, block_table, req, pos)
+        scores = index_scores_prefill(index_q, index_cache, block_table, req, pos, index_scale=index_scale)
     return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)
