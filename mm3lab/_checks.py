@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -67,7 +67,7 @@ def check_tensor(
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name}: expected dtype {allowed}, got {str(t.dtype).replace('torch.', '')}")
     if shape is not None:
-        for axis, (want, got) in enumerate(zip(shape, t.shape)):
+        for axis, (want, got) in enumerate(zip(shape, t.shape, strict=False)):
             if want is not None and want != got:
                 raise ValueError(
                     f"{name}: expected shape {tuple('*' if s is None else s for s in shape)}, "
@@ -152,6 +152,6 @@ def raise_first(checks) -> None:
     if not checks:
         return
     anys = torch.stack([mask.any() for mask, _ in checks]).tolist()
-    for (mask, message), bad in zip(checks, anys):
+    for (mask, message), bad in zip(checks, anys, strict=False):
         if bad:
             raise ValueError(message(first_bad_row(mask)))

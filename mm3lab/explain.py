@@ -14,7 +14,7 @@ kernel on this machine's backend); the annotations from
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -71,7 +71,8 @@ def run_tour(
         for path in bar:
             bar.set_postfix_str(path.name)
             nb = nbformat.read(path, as_version=4)
-            NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(nb_dir)}}).execute()
+            resources = {"metadata": {"path": str(nb_dir)}}
+            NotebookClient(nb, timeout=timeout, kernel_name="python3", resources=resources).execute()
             body, _ = exporter.from_notebook_node(nb)
             (out_dir / f"{path.stem}.html").write_text(body, encoding="utf-8")
             figs = _figures(nb)

@@ -6,7 +6,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from mm3lab import cost, msa
-from mm3lab.constants import PAGE_SIZE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
+from mm3lab.constants import PAGE_SIZE, SPARSE_BLOCK_SIZE
 from mm3lab.viz import msa as viz
 
 SHAPE = dict(batch=1, num_kv_heads=2, group_size=2, head_dim=32, index_dim=16)

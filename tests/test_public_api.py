@@ -21,6 +21,8 @@ TOP_LEVEL = [
     "sparse_block_page_stride",
     "rebase_block_table_to_page16",
     "rebase_slot_mapping_to_page16",
+    "msa_decode",
+    "msa_prefill",
 ]
 CONSTANTS = {"SPARSE_BLOCK_SIZE": 128, "PAGE_SIZE": 16, "PAGES_PER_SPARSE_BLOCK": 8, "PAGE16_SIDES_PER_BLOCK": 2}
 VLLM = [

@@ -62,8 +62,8 @@ def sparse_attention(
         ``out [N, Hq, D]`` in q's dtype, or ``(out, lse [N, Hq] float32)``.
     """
     _, scale = check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out)
-    interpreted_bf16 = backend.INTERPRETER and q.dtype == torch.bfloat16
-    if not backend.use_kernel(q, k_cache, sparse_bt) or interpreted_bf16:
+    fallback = backend.bf16_interpreted(q.dtype)
+    if not backend.use_kernel(q, k_cache, sparse_bt, entry_point="sparse_attention", fallback=fallback):
         return reference.sparse_attention(
             q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=return_lse, out=out
         )

@@ -71,7 +71,7 @@ def insert_index_cache(index_k: torch.Tensor, index_cache: torch.Tensor, slot_ma
     check_insert_index_cache(index_k, index_cache, slot_mapping)
     if index_k.shape[0] == 0:
         return
-    if not backend.use_kernel(index_k, index_cache, slot_mapping):
+    if not backend.use_kernel(index_k, index_cache, slot_mapping, entry_point="insert_index_cache"):
         reference.insert_index_cache(index_k, index_cache, slot_mapping)
         return
     from .kernel import insert_index_cache_kernel

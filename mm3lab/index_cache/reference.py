@@ -48,7 +48,7 @@ def token_slots(block_table: torch.Tensor, query_req_id: torch.Tensor, query_abs
     check_token_slots(block_table, query_req_id, query_abs_pos)
     table = block_table.tolist()
     slots = []
-    for r, p in zip(query_req_id.tolist(), query_abs_pos.tolist()):
+    for r, p in zip(query_req_id.tolist(), query_abs_pos.tolist(), strict=False):
         if p < 0:
             slots.append(-1)
         else:

@@ -1,37 +1,23 @@
-"""The indexer (SPEC section 2, steps 2-3): which 128-token blocks each query token attends.
+"""The indexer (SPEC 2, steps 2-3): which 128-token blocks each query token attends.
 
-For every query row (request ``r``, position ``p``) and index head ``h`` (one per
-KV head), each candidate block ``b <= p // 128`` gets the score::
-
-    score[h, t, b] = max over tokens s of block b with s <= p of dot(index_q[t, h], index_k[s])
-
-(float32; the index keys come from the index cache through the request's block
-table; every head shares one key per token). Forcing then gives ``b < init_blocks``
-the score ``1e30`` and, last, ``b >= valid - local_blocks`` the score ``1e29``
-(``valid = p // 128 + 1``), NaN counts as ``-1e30``, and the top-k keeps the
-``topk`` best candidates, ties to the lower block id, ``-1`` past
-``min(topk, valid)``; a padded row (``p < 0``) is all ``-1``.
-
-Entry points (decode rows take ``p = seq_lens[r] - dql + i`` for row
-``n = r * dql + i``; prefill rows carry ``query_req_id`` / ``query_abs_pos``):
+The scores, the init/local forcing, the top-k order and the row rule are SPEC 2's
+(rows: :mod:`mm3lab.rows`); ``reference.py`` writes them as loops, ``kernel.py``
+as Triton kernels. Entry points:
 
 * :func:`index_topk_decode` / :func:`index_topk_prefill` -> ``topk_idx [H, N, topk]`` int32,
   what :func:`mm3lab.build_sparse_block_table_decode` / ``_prefill`` consume;
 * :func:`index_scores_decode` / :func:`index_scores_prefill` -> the scores ``[H, N, M]``,
   raw (``forced=False``, for heatmaps) or as top-k ranks them (``forced=True``);
 * :func:`index_topk_block_table_decode` / :func:`index_topk_block_table_prefill`: the
-  top-k fused with the sparse block table, one launch from scores to
+  top-k fused with the sparse block table (SPEC 3), one launch from scores to
   ``(topk_idx, sparse_bt, sparse_ctx)``, equal to running the two steps apart;
 * :func:`topk_blocks`: the top-k rule alone, on any ``[..., W]`` score tensor.
 
-``reference.py`` is the specification (loops); ``kernel.py`` the Triton kernels.
-Every call is two launches at most (scores, then top-k with or without the
-table). float32/float16 run the kernels on every backend; bfloat16 runs them
-where compiled (CUDA) and the PyTorch reference on the interpreter backend,
-whose bfloat16 arithmetic is inexact. float32 with more than 16 index heads also
-takes the PyTorch path on a GPU (the exact float32 dot is kept to 16-lane tiles).
-Value checks (validation on, the default) cost one device sync; see
-:mod:`mm3lab.indexer.checks` for what they reject and the fallback with validation off.
+Every call is two launches at most (scores, then top-k with or without the table).
+The top-k pre-selects groups of columns by their maxima on wide rows, then picks with
+``tl.topk`` when compiled (see :mod:`mm3lab.indexer.kernel`). The PyTorch paths (SPEC 7,
+:data:`mm3lab.backend.FALLBACK_RULES`): bfloat16 under the interpreter, and float32 with
+more than 16 index heads on a GPU. Value checks: :mod:`mm3lab.indexer.checks`.
 """
 
 from __future__ import annotations
@@ -58,12 +44,13 @@ __all__ = [
 ]
 
 
-def _use_kernel(index_q, *tensors) -> bool:
-    interpreted_bf16 = backend.INTERPRETER and index_q.dtype == torch.bfloat16
+def _use_kernel(entry_point: str, index_q, *tensors) -> bool:
+    fallback = backend.bf16_interpreted(index_q.dtype)
     # float32 tiles are kept at 16 lanes (see kernel.index_scores_kernel); more than 16 index
     # heads would need wider ones, so such float32 calls take the PyTorch path on a GPU.
-    wide_fp32 = index_q.dtype == torch.float32 and index_q.shape[1] > 16 and not backend.INTERPRETER
-    return backend.use_kernel(index_q, *tensors) and not interpreted_bf16 and not wide_fp32
+    if index_q.dtype == torch.float32 and index_q.shape[1] > 16 and not backend.INTERPRETER:
+        fallback = "fp32-wide-index-heads"
+    return backend.use_kernel(index_q, *tensors, entry_point=entry_point, fallback=fallback)
 
 
 def _scores(index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced):
@@ -95,6 +82,25 @@ def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_p
     return topk_idx, tables["sparse_bt"], tables["sparse_ctx"]
 
 
+def _select(entry, index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks, *table):
+    """The top-k entry points after their checks: scores + top-k kernels, or the reference (SPEC 7).
+
+    ``rows``: ``("decode", seq_lens, decode_query_len)`` or ``("prefill", query_req_id, query_abs_pos)``;
+    ``table``: ``()``, or ``(block_page_stride,)`` for the fused sparse block table.
+    """
+    kind, first, second = rows
+    decode = kind == "decode"
+    row_args, extra = ((first,), (second,)) if decode else ((first, second), ())
+    if not _use_kernel(entry, index_q, index_cache, block_table, *row_args):
+        return getattr(reference, entry)(
+            index_q, index_cache, block_table, *row_args, topk, *extra, init_blocks, local_blocks, *table
+        )
+    req, pos, dql = (first, first, second) if decode else (first, second, 1)
+    scores = _scores(index_q, index_cache, block_table, req, pos, dql, not decode, init_blocks, local_blocks, True)
+    tables = (block_table, *table) if table else ()
+    return _topk(scores, topk, req, pos, block_table.shape[0], dql, not decode, *tables)
+
+
 def index_scores_decode(
     index_q: torch.Tensor,
     index_cache: torch.Tensor,
@@ -107,7 +113,7 @@ def index_scores_decode(
 ) -> torch.Tensor:
     """Block scores of decode rows (SPEC section 2, step 2), one launch.
 
-    Row ``n = r * decode_query_len + i`` is at ``p = seq_lens[r] - decode_query_len + i``.
+    Rows: SPEC 2's decode row rule (:mod:`mm3lab.rows`).
 
     Args:
         index_q: ``[N, H, Di]`` float32/float16/bfloat16 index queries (``N = B * decode_query_len``,
@@ -127,7 +133,7 @@ def index_scores_decode(
         TypeError / ValueError: see :func:`index_topk_decode`.
     """
     check_decode(index_q, index_cache, block_table, seq_lens, None, decode_query_len, init_blocks, local_blocks)
-    if not _use_kernel(index_q, index_cache, block_table, seq_lens):
+    if not _use_kernel("index_scores_decode", index_q, index_cache, block_table, seq_lens):
         return reference.index_scores_decode(
             index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, forced
         )
@@ -155,7 +161,7 @@ def index_scores_prefill(
         ``[H, N, M]`` float32, ``-inf`` at non-candidates.
     """
     check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, None, init_blocks, local_blocks)
-    if not _use_kernel(index_q, index_cache, block_table, query_req_id, query_abs_pos):
+    if not _use_kernel("index_scores_prefill", index_q, index_cache, block_table, query_req_id, query_abs_pos):
         return reference.index_scores_prefill(
             index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, forced
         )
@@ -199,14 +205,8 @@ def index_topk_decode(
             cache (names ``block_table``, the request and the block).
     """
     check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks)
-    if not _use_kernel(index_q, index_cache, block_table, seq_lens):
-        return reference.index_topk_decode(
-            index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks
-        )
-    scores = _scores(
-        index_q, index_cache, block_table, seq_lens, seq_lens, decode_query_len, False, init_blocks, local_blocks, True
-    )
-    return _topk(scores, topk, seq_lens, seq_lens, block_table.shape[0], decode_query_len, False)
+    rows = ("decode", seq_lens, decode_query_len)
+    return _select("index_topk_decode", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks)
 
 
 def index_topk_prefill(
@@ -227,14 +227,8 @@ def index_topk_prefill(
     position ``>= M * 128`` (names ``query_abs_pos``).
     """
     check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks)
-    if not _use_kernel(index_q, index_cache, block_table, query_req_id, query_abs_pos):
-        return reference.index_topk_prefill(
-            index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks
-        )
-    scores = _scores(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, 1, True, init_blocks, local_blocks, True
-    )
-    return _topk(scores, topk, query_req_id, query_abs_pos, block_table.shape[0], 1, True)
+    rows = ("prefill", query_req_id, query_abs_pos)
+    return _select("index_topk_prefill", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks)
 
 
 def index_topk_block_table_decode(
@@ -261,16 +255,10 @@ def index_topk_block_table_decode(
     """
     check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks)
     check_block_page_stride(block_page_stride)
-    if not _use_kernel(index_q, index_cache, block_table, seq_lens):
-        return reference.index_topk_block_table_decode(
-            index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
-            block_page_stride,
-        )
-    scores = _scores(
-        index_q, index_cache, block_table, seq_lens, seq_lens, decode_query_len, False, init_blocks, local_blocks, True
-    )
-    return _topk(
-        scores, topk, seq_lens, seq_lens, block_table.shape[0], decode_query_len, False, block_table, block_page_stride
+    rows = ("decode", seq_lens, decode_query_len)
+    return _select(
+        "index_topk_block_table_decode", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks,
+        block_page_stride,
     )
 
 
@@ -289,16 +277,10 @@ def index_topk_block_table_prefill(
     (see :func:`index_topk_block_table_decode`)."""
     check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks)
     check_block_page_stride(block_page_stride)
-    if not _use_kernel(index_q, index_cache, block_table, query_req_id, query_abs_pos):
-        return reference.index_topk_block_table_prefill(
-            index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks,
-            block_page_stride,
-        )
-    scores = _scores(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, 1, True, init_blocks, local_blocks, True
-    )
-    return _topk(
-        scores, topk, query_req_id, query_abs_pos, block_table.shape[0], 1, True, block_table, block_page_stride
+    rows = ("prefill", query_req_id, query_abs_pos)
+    return _select(
+        "index_topk_block_table_prefill", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks,
+        block_page_stride,
     )
 
 
@@ -306,7 +288,7 @@ def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """The indexer's top-k rule on any score tensor, every column a candidate (SPEC section 2, step 3).
 
     Ids by descending score, ties to the lower id, NaN as ``-1e30``, ``-1`` past the
-    row's width. Selects without sorting the row (one max-reduction per pick).
+    row's width (SPEC 2, step 3). Selects without sorting the row.
 
     Args:
         scores: ``[..., W]`` float32/float16/bfloat16, any strides.
@@ -315,8 +297,7 @@ def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
         ``[..., topk]`` int32.
     """
     check_topk_scores(scores, topk)
-    interpreted_bf16 = backend.INTERPRETER and scores.dtype == torch.bfloat16
-    if not backend.use_kernel(scores) or interpreted_bf16:
+    if not backend.use_kernel(scores, entry_point="topk_blocks", fallback=backend.bf16_interpreted(scores.dtype)):
         return reference.topk_blocks(scores, topk)
     from .kernel import topk_kernel
 

@@ -16,8 +16,7 @@ For every query row ``t`` (request ``r``, absolute position ``p``) and index hea
    ties to the lower block id, ``-1`` past ``min(topk, valid)``. A padded row
    (``p < 0``) is all ``-1``.
 
-Decode rows: row ``n = r * dql + i`` is at ``p = seq_lens[r] - dql + i``. Prefill
-rows carry ``query_req_id[n]`` and ``query_abs_pos[n]``.
+Rows: the SPEC 2 row rule (:func:`mm3lab.rows.decode_rows`).
 
 mm3lab's definitions for input that validation rejects (they apply only with
 validation off): a request id outside the block table makes the row padded,
@@ -31,12 +30,13 @@ These functions have the same signatures as the entry points in
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ..block_table.reference import build_sparse_block_table_decode, build_sparse_block_table_prefill
 from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
+from ..rows import decode_rows
 from .checks import check_block_page_stride, check_decode, check_prefill, check_topk_scores
 
 # --- one row, in the SPEC's words -----------------------------------------------------------
@@ -96,10 +96,8 @@ def block_score(index_q_row: torch.Tensor, index_k_block: torch.Tensor, visible:
 
 
 def _decode_rows(seq_lens: torch.Tensor, decode_query_len: int) -> list[tuple[int, int]]:
-    rows = []
-    for r, seq_len in enumerate(seq_lens.tolist()):
-        rows.extend((r, seq_len - decode_query_len + i) for i in range(decode_query_len))
-    return rows
+    req, pos = decode_rows(seq_lens, decode_query_len)
+    return list(zip(req.tolist(), pos.tolist(), strict=True))
 
 
 def _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced) -> torch.Tensor:
@@ -140,7 +138,7 @@ def _topk(scores: torch.Tensor, rows, topk: int) -> torch.Tensor:
 
 def _prefill_rows(block_table, query_req_id, query_abs_pos):
     b = block_table.shape[0]
-    return [(r if 0 <= r < b else -1, p) for r, p in zip(query_req_id.tolist(), query_abs_pos.tolist())]
+    return [(r if 0 <= r < b else -1, p) for r, p in zip(query_req_id.tolist(), query_abs_pos.tolist(), strict=False)]
 
 
 def index_scores_decode(

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..constants import PAGE16_SIDES_PER_BLOCK, PAGE_SIZE, SPARSE_BLOCK_SIZE
 from .._checks import check_index
+from ..constants import PAGE16_SIDES_PER_BLOCK, PAGE_SIZE, SPARSE_BLOCK_SIZE
 from .checks import cache_slots, check_rebase_block_table, check_write_kv
 
 

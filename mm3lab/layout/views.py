@@ -199,7 +199,8 @@ def check_kv_views(k_cache, v_cache) -> int:
         return PACKED_STRIDE
     raise ValueError(
         f"k_cache/v_cache: page counts {pk} and {pv} fit neither layout "
-        f"(dense: equal, a multiple of {DENSE_STRIDE}; packed: v = k - {PAGES_PER_SPARSE_BLOCK}, k a multiple of {PACKED_STRIDE})"
+        f"(dense: equal, a multiple of {DENSE_STRIDE}; "
+        f"packed: v = k - {PAGES_PER_SPARSE_BLOCK}, k a multiple of {PACKED_STRIDE})"
     )
 
 

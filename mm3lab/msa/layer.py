@@ -19,10 +19,11 @@ before the first cache write, so bad input leaves every cache untouched.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import torch
 
-from .._checks import check_index, check_int, check_same_device, check_tensor
+from .._checks import check_same_device, check_tensor
 from ..attention import sparse_attention
 from ..constants import DEFAULT_TOPK
 from ..index_cache import insert_index_cache, token_slots
@@ -37,6 +38,7 @@ from ..indexer.checks import check_decode as check_indexer_decode
 from ..indexer.checks import check_prefill as check_indexer_prefill
 from ..layout import check_kv_views, write_kv_page16
 from ..layout.checks import check_write_kv
+from ..rows import decode_query_rows
 
 __all__ = ["MSAStep", "decode_query_rows", "msa_decode", "msa_prefill"]
 
@@ -64,28 +66,6 @@ class MSAStep:
     sparse_bt: torch.Tensor
     sparse_ctx: torch.Tensor
     lse: torch.Tensor
-
-
-# ----------------------------------------------------------------------------
-# rows and slots
-# ----------------------------------------------------------------------------
-
-
-def decode_query_rows(seq_lens: torch.Tensor, decode_query_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request and position of every decode row: row ``n = r * dql + i`` is at ``p = seq_lens[r] - dql + i``.
-
-    Args:
-        seq_lens: ``[B]`` tokens per request, the decode queries included.
-        decode_query_len: query tokens per request (``> 1`` for speculative decode).
-    Returns:
-        ``(query_req_id [B * dql], query_abs_pos [B * dql])`` int32; ``p < 0`` marks a padded row (``-1``).
-    """
-    check_index("seq_lens", seq_lens, ndim=1)
-    dql = check_int("decode_query_len", decode_query_len, minimum=1)
-    rows = torch.arange(seq_lens.shape[0] * dql, device=seq_lens.device)
-    req = rows // dql
-    pos = seq_lens.long()[req] - dql + rows % dql
-    return req.to(torch.int32), pos.clamp(min=-1).to(torch.int32)
 
 
 # ----------------------------------------------------------------------------
@@ -125,10 +105,49 @@ def _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, bloc
     return slots
 
 
-def _insert(key, value, index_k, k_cache, v_cache, index_cache, slots) -> None:
-    if index_k is not None:
-        insert_index_cache(index_k, index_cache, slots)
-    write_kv_page16(key, value, k_cache, v_cache, slots)
+KERNEL_STEPS = types.SimpleNamespace(
+    insert_index_cache=insert_index_cache,
+    write_kv_page16=write_kv_page16,
+    index_topk_block_table_decode=index_topk_block_table_decode,
+    index_topk_block_table_prefill=index_topk_block_table_prefill,
+    index_scores_decode=index_scores_decode,
+    index_scores_prefill=index_scores_prefill,
+    sparse_attention=sparse_attention,
+)
+"""The steps :func:`msa_decode` / :func:`msa_prefill` join; their twins join ``mm3lab.reference``'s."""
+
+
+def run_layer(steps, rows, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, *,
+              topk, init_blocks, local_blocks, scale, return_intermediates):
+    """The MSA layer with its steps taken from ``steps`` (:data:`KERNEL_STEPS` or ``mm3lab.reference``).
+
+    ``rows``: ``("decode", seq_lens, decode_query_len)`` or ``("prefill", query_req_id, query_abs_pos)``.
+    """
+    kind, *row_args = rows
+    decode = kind == "decode"
+    block_page_stride = _check_query(q, k_cache, v_cache, index_q)
+    if decode:
+        seq_lens, dql = row_args
+        check_indexer_decode(index_q, index_cache, block_table, seq_lens, topk, dql, init_blocks, local_blocks)
+        req, pos = decode_query_rows(seq_lens, dql)
+        row_args, extra = [seq_lens], [dql]  # the steps take (seq_lens, ..., decode_query_len, ...)
+    else:
+        req, pos = row_args
+        check_indexer_prefill(index_q, index_cache, block_table, req, pos, topk, init_blocks, local_blocks)
+        extra = []
+    slots = _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos)
+    steps.insert_index_cache(index_k, index_cache, slots)
+    steps.write_kv_page16(key, value, k_cache, v_cache, slots)
+    select = steps.index_topk_block_table_decode if decode else steps.index_topk_block_table_prefill
+    topk_idx, sparse_bt, sparse_ctx = select(
+        index_q, index_cache, block_table, *row_args, topk, *extra, init_blocks, local_blocks, block_page_stride
+    )
+    out, lse = steps.sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
+    if not return_intermediates:
+        return out
+    score = steps.index_scores_decode if decode else steps.index_scores_prefill
+    scores = score(index_q, index_cache, block_table, *row_args, *extra)
+    return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)
 
 
 # ----------------------------------------------------------------------------
@@ -136,30 +155,71 @@ def _insert(key, value, index_k, k_cache, v_cache, index_cache, slots) -> None:
 # ----------------------------------------------------------------------------
 
 
-def msa_decode(
-    q: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    index_q: torch.Tensor,
-    index_k: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    decode_query_len: int = 1,
-    topk: int = DEFAULT_TOPK,
-    init_blocks: int = 0,
-    local_blocks: int = 1,
-    scale: float | None = None,
-    return_intermediates: bool = False,
-):
-    """One MSA layer for decode (and speculative-decode) rows: insert, select, attend.
+def layer_entry_points(steps, module: str):
+    """``(msa_decode, msa_prefill)`` running :func:`run_layer` on ``steps()`` (one signature for both twins)."""
+
+    def msa_decode(
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        index_q: torch.Tensor,
+        index_k: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        index_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        decode_query_len: int = 1,
+        topk: int = DEFAULT_TOPK,
+        init_blocks: int = 0,
+        local_blocks: int = 1,
+        scale: float | None = None,
+        return_intermediates: bool = False,
+    ):
+        rows = ("decode", seq_lens, decode_query_len)
+        return run_layer(
+            steps(), rows, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, topk=topk,
+            init_blocks=init_blocks, local_blocks=local_blocks, scale=scale, return_intermediates=return_intermediates,
+        )
+
+    def msa_prefill(
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        index_q: torch.Tensor,
+        index_k: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        index_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        query_req_id: torch.Tensor,
+        query_abs_pos: torch.Tensor,
+        *,
+        topk: int = DEFAULT_TOPK,
+        init_blocks: int = 0,
+        local_blocks: int = 1,
+        scale: float | None = None,
+        return_intermediates: bool = False,
+    ):
+        rows = ("prefill", query_req_id, query_abs_pos)
+        return run_layer(
+            steps(), rows, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, topk=topk,
+            init_blocks=init_blocks, local_blocks=local_blocks, scale=scale, return_intermediates=return_intermediates,
+        )
+
+    for fn in (msa_decode, msa_prefill):
+        fn.__qualname__, fn.__module__ = fn.__name__, module
+    return msa_decode, msa_prefill
+
+
+msa_decode, msa_prefill = layer_entry_points(lambda: KERNEL_STEPS, __name__)
+
+msa_decode.__doc__ = """One MSA layer for decode (and speculative-decode) rows: insert, select, attend.
 
     The ``N = B * decode_query_len`` new tokens are the last positions of their
-    requests (row ``n = r * dql + i`` at ``p = seq_lens[r] - dql + i``); their index
-    key, K and V are written to the caches first, so every query sees itself.
+    requests (SPEC 2 row rule, :mod:`mm3lab.rows`); their index key, K and V are
+    written to the caches first, so every query sees itself.
 
     Args:
         q: ``[N, Hq, D]`` queries (RoPE applied).
@@ -177,44 +237,8 @@ def msa_decode(
     Returns:
         ``out [N, Hq, D]`` in q's dtype, or ``(out, MSAStep)``.
     """
-    block_page_stride = _check_query(q, k_cache, v_cache, index_q)
-    check_indexer_decode(
-        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks
-    )
-    req, pos = decode_query_rows(seq_lens, decode_query_len)
-    slots = _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos)
-    _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
-    topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_decode(
-        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
-        block_page_stride,
-    )
-    out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
-    if not return_intermediates:
-        return out
-    scores = index_scores_decode(index_q, index_cache, block_table, seq_lens, decode_query_len)
-    return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)
 
-
-def msa_prefill(
-    q: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    index_q: torch.Tensor,
-    index_k: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_req_id: torch.Tensor,
-    query_abs_pos: torch.Tensor,
-    *,
-    topk: int = DEFAULT_TOPK,
-    init_blocks: int = 0,
-    local_blocks: int = 1,
-    scale: float | None = None,
-    return_intermediates: bool = False,
-):
-    """One MSA layer for prefill rows, each with its own request and position.
+msa_prefill.__doc__ = """One MSA layer for prefill rows, each with its own request and position.
 
     All ``N`` tokens are inserted before any is scored, so a chunk's queries see
     the whole chunk up to themselves (causal).
@@ -225,18 +249,3 @@ def msa_prefill(
     Returns:
         ``out [N, Hq, D]``, or ``(out, MSAStep)``.
     """
-    block_page_stride = _check_query(q, k_cache, v_cache, index_q)
-    check_indexer_prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks
-    )
-    req, pos = query_req_id, query_abs_pos
-    slots = _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos)
-    _insert(key, value, index_k, k_cache, v_cache, index_cache, slots)
-    topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_prefill(
-        index_q, index_cache, block_table, req, pos, topk, init_blocks, local_blocks, block_page_stride
-    )
-    out, lse = sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
-    if not return_intermediates:
-        return out
-    scores = index_scores_prefill(index_q, index_cache, block_table, req, pos)
-    return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)
