@@ -91,7 +91,6 @@ def torch_index_scores(index_q, index_cache, block_table, seq_lens, max_blocks):
     Returns:
         ``[H, B, max_blocks]`` float32, ``-inf`` past the query's block.
     """
-    b, h, di = index_q.shape
     keys = index_cache[block_table[:, :max_blocks].long()]  # [B, nb, 128, Di]
     dots = torch.einsum("bhd,bntd->bhnt", index_q, keys).float()  # [B, H, nb, 128]
     pos = torch.arange(max_blocks * SPARSE_BLOCK_SIZE, device=index_q.device).view(max_blocks, SPARSE_BLOCK_SIZE)

@@ -1,22 +1,187 @@
 """Timing, bandwidth and result records shared by every benchmark suite.
 
-Times are medians from ``triton.testing.do_bench`` (CUDA events around the
-call; the L2 cache is flushed between repetitions), or from CUDA-graph replay
-for launch-bound kernels. Every record is compared with a baseline measured in
-the same process, on the same inputs.
+The method (every suite follows it; ``METHOD`` is written into the results file):
+
+* **Two modes, side by side.** ``eager``: the function called from Python, as a
+  notebook, a script or a serving loop without graphs calls it; host work (argument
+  checks, allocations, launches) counts. ``graph``: the same calls captured in a CUDA
+  graph and replayed; only device time counts. Every record says which (``mode``).
+* **Many calls per sample.** A sample times ``calls`` back-to-back calls between two
+  CUDA events and divides; ``samples`` samples give the median and the coefficient of
+  variation (``cv`` = standard deviation / median).
+* **Cold L2.** Calls rotate over several buffer sets (inputs, and for small problems
+  whole caches) whose total size is several times the L2 cache, so that a call does not
+  read what the previous one left in L2.
+* **Validation on and off.** Eager calls of mm3lab entry points are timed with value
+  checks on (the default) and off (``validation`` in the record).
+* **Host time.** Eager records also carry ``host_ms``: the CPU time per call of the
+  Python loop (no sync inside), what the stacked host-versus-device bars draw.
+
+``bench(fn)`` and ``bench_graph(fn)`` keep their old meaning (a median in ms of one
+callable, eager and graph) for suites that time a plain function.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+ROTATE_BYTES = 256 << 20
+"""Buffer sets rotate until they hold this much (about 5x the H200's 50 MB L2)."""
+MAX_SETS = 8
+
+METHOD = (
+    "eager = Python calls, graph = CUDA-graph replay; median over samples of many calls each "
+    "(cv = std/median); calls rotate over buffer sets of >= 256 MB in all (cold L2); eager mm3lab "
+    "entry points timed with validation on and off; baselines (dense SDPA, gather + SDPA, compiled "
+    "FlexAttention, PyTorch ops) measured in the same run on the same inputs"
+)
+
+
+def num_sets(bytes_per_set: int, *, minimum: int = 2) -> int:
+    """How many buffer sets make a cold-L2 rotation: enough to reach ``ROTATE_BYTES``, at most ``MAX_SETS``."""
+    if bytes_per_set <= 0:
+        return minimum
+    return max(1 if bytes_per_set >= ROTATE_BYTES else minimum, min(MAX_SETS, math.ceil(ROTATE_BYTES / bytes_per_set)))
+
+
+@dataclasses.dataclass
+class Timing:
+    """One measured function: median ms per call, its cv, the samples, the mode, host ms per call (eager)."""
+
+    ms: float
+    cv: float
+    samples: int
+    mode: str
+    host_ms: float | None = None
+
+    def fields(self) -> dict:
+        out = {"mode": self.mode, "cv": round(self.cv, 4), "samples": self.samples}
+        if self.host_ms is not None:
+            out["host_ms"] = round(self.host_ms, 6)
+        return out
+
+
+def _stats(times: list[float]) -> tuple[float, float]:
+    med = statistics.median(times)
+    cv = statistics.pstdev(times) / med if med > 0 and len(times) > 1 else 0.0
+    return med, cv
+
+
+def _rotation(fns) -> list[Callable[[], object]]:
+    if callable(fns):
+        return [fns]
+    fns = list(fns)
+    if not fns:
+        raise ValueError("nothing to time")
+    return fns
+
+
+def _cuda(device) -> bool:
+    return torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+
+
+def time_eager(fns, *, calls: int = 20, samples: int = 10, warmup: int = 3, device=None) -> Timing:
+    """Eager time per call: ``samples`` samples of ``calls`` calls, rotating over ``fns`` (buffer sets).
+
+    On a GPU a sample is timed with CUDA events (the device is idle before it starts);
+    on the CPU with ``time.perf_counter``. ``host_ms`` is the host's time to issue the calls.
+    """
+    fns = _rotation(fns)
+    cuda = _cuda(device)
+    for i in range(max(warmup, len(fns))):
+        fns[i % len(fns)]()
+    if cuda:
+        torch.cuda.synchronize()
+    times, host = [], []
+    k = 0
+    for _ in range(samples):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fns[k % len(fns)]()
+            k += 1
+        t1 = time.perf_counter()
+        if cuda:
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        else:
+            times.append((t1 - t0) * 1e3 / calls)
+        host.append((t1 - t0) * 1e3 / calls)
+    ms, cv = _stats(times)
+    return Timing(ms, cv, samples, "eager", statistics.median(host))
+
+
+def time_graph(fns, *, calls: int = 20, samples: int = 10, warmup: int = 3) -> Timing:
+    """CUDA-graph replay time per call: ``calls`` calls (rotating over ``fns``) captured in one graph,
+    replayed ``samples`` times. Run with validation off (value checks sync, which capture forbids)."""
+    fns = _rotation(fns)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(max(warmup, len(fns))):
+            fns[i % len(fns)]()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    ms, cv = _stats(times)
+    return Timing(ms, cv, samples, "graph")
+
+
+def time_replay(replay: Callable[[], object], *, calls: int = 20, samples: int = 10) -> Timing:
+    """Time a callable that itself replays a CUDA graph (a plan with ``graph=True``), eager loop."""
+    t = time_eager(replay, calls=calls, samples=samples, device="cuda")
+    return Timing(t.ms, t.cv, t.samples, "graph", t.host_ms)
+
+
+def bench(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median eager time of ``fn()`` in ms (many calls per sample; kept for suites that time one callable)."""
+    if not torch.cuda.is_available():
+        return time_eager(fn, calls=2, samples=3, warmup=1, device="cpu").ms
+    return time_eager(fn, calls=20, samples=10, device="cuda").ms
+
+
+def bench_graph(fn: Callable[[], object], *, replays: int = 200, repeats: int = 5) -> float:
+    """Median time of one ``fn()`` replayed from a captured CUDA graph of ``replays`` calls, in ms."""
+    return time_graph(fn, calls=replays, samples=repeats).ms
+
+
+def fallback_reason() -> str | None:
+    """The PyTorch fallbacks mm3lab took since the last call, ``"entry point: rule; ..."`` (``None`` if none).
+
+    The rules are :data:`mm3lab.backend.FALLBACK_RULES` (SPEC 7); ``mm3lab info`` lists them.
+    """
+    from mm3lab import backend
+
+    taken = backend.fallbacks_taken(reset=True)
+    return "; ".join(f"{entry}: {rule}" for entry, rule in sorted(taken.items())) or None
 
 
 @dataclasses.dataclass
@@ -25,9 +190,31 @@ class Context:
 
     device: str
     gpu: str
-    copy_TBps: float
+    copy_TBps: float | None
     quick: bool
+    dry_run: bool = False
+    calls: int = 20
+    samples: int = 10
+    shapes: object = None
     records: list = dataclasses.field(default_factory=list)
+    notes: list = dataclasses.field(default_factory=list)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def eager(self, fns, **kw) -> Timing:
+        kw.setdefault("calls", self.calls)
+        kw.setdefault("samples", self.samples)
+        return time_eager(fns, device=self.device, **kw)
+
+    def graph(self, fns, **kw) -> Timing | None:
+        """Graph time, or ``None`` where there are no CUDA graphs (the CPU dry run)."""
+        if not self.cuda:
+            return None
+        kw.setdefault("calls", self.calls)
+        kw.setdefault("samples", self.samples)
+        return time_graph(fns, **kw)
 
     def add(
         self,
@@ -40,6 +227,7 @@ class Context:
         **extra,
     ) -> dict:
         achieved = (bytes_moved / (ms * 1e-3) / 1e12) if (bytes_moved and ms) else None
+        copy = self.copy_TBps
         record = {
             "name": name,
             "gpu": self.gpu,
@@ -49,14 +237,43 @@ class Context:
             "ms": round(ms, 6),
             "baseline": baseline,
             "baseline_ms": None if baseline_ms is None else round(baseline_ms, 6),
-            "speedup": None if baseline_ms is None else round(baseline_ms / ms, 3),
+            "speedup": None if not baseline_ms or not ms else round(baseline_ms / ms, 3),
             "bytes": bytes_moved,
             "achieved_TBps": None if achieved is None else round(achieved, 4),
-            "fraction_of_copy_bw": None if achieved is None else round(achieved / self.copy_TBps, 4),
+            "fraction_of_copy_bw": None if achieved is None or not copy else round(achieved / copy, 4),
         }
         record.update(extra)
         self.records.append(record)
         return record
+
+    def compare(
+        self,
+        name: str,
+        shape: dict,
+        ours: dict[tuple[str, bool | None], Timing | None],
+        baselines: dict[str, dict[str, Timing | None]],
+        bytes_moved: int | None = None,
+        fallback: str | None = None,
+        **extra,
+    ) -> None:
+        """One record per (mode, validation) of ``ours`` x baseline, baseline in the same mode.
+
+        ``ours``: ``{(mode, validation): Timing}`` (validation ``None`` for graph mode);
+        ``baselines``: ``{baseline name: {mode: Timing}}``; a missing time skips the record,
+        and an entry point without baselines gets one record per mode with ``baseline = None``.
+        """
+        for (mode, validation), t in ours.items():
+            if t is None:
+                continue
+            pairs = [(b, times.get(mode)) for b, times in baselines.items()] or [(None, None)]
+            for base, bt in pairs:
+                if base is not None and bt is None:
+                    continue
+                self.add(
+                    name, shape, t.ms, base, None if bt is None else bt.ms, bytes_moved,
+                    **t.fields(), validation=validation, fallback=fallback,
+                    **({} if bt is None else {"baseline_cv": round(bt.cv, 4)}), **extra,
+                )
 
 
 def _triton_version() -> str:
@@ -65,49 +282,11 @@ def _triton_version() -> str:
     return triton.__version__
 
 
-def bench(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
-    """Median time of ``fn()`` in milliseconds (CUDA events, L2 flushed between runs)."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-
-
-def bench_graph(fn: Callable[[], object], *, replays: int = 200, repeats: int = 5) -> float:
-    """Median time of one ``fn()`` replayed from a captured CUDA graph, in milliseconds.
-
-    For launch-bound kernels: graph replay removes the host's launch overhead,
-    which is how a serving engine runs them.
-    """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(replays):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / replays)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src), rep_ms=200)
-    del src, dst
+    buffers = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    ms = time_eager(lambda: buffers[1].copy_(buffers[0]), calls=10, samples=10, device="cuda").ms
+    buffers.clear()
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
@@ -124,10 +303,15 @@ def write_results(ctx: Context, path: Path | None = None, meta: dict | None = No
             "triton": _triton_version(),
             "python": platform.python_version(),
             "cuda": torch.version.cuda,
-            "copy_TBps": round(ctx.copy_TBps, 4),
+            "copy_TBps": None if ctx.copy_TBps is None else round(ctx.copy_TBps, 4),
+            "method": METHOD,
             **(meta or {}),
         },
         "records": ctx.records,
     }
-    path.write_text(json.dumps(payload, indent=1) + "\n")
-    return path
+    Path(path).write_text(json.dumps(payload, indent=1) + "\n")
+    return Path(path)
+
+
+def median_of(values: Sequence[float]) -> float:
+    return statistics.median(values)

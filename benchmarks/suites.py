@@ -1,27 +1,334 @@
-"""One function per kernel family; each appends records to the Context.
+"""One function per entry point; each appends records to the Context (method: see ``common``).
 
-Shapes are the model's decode shapes (SPEC section 1): 64 query heads, 4 KV
-heads, head dim 128, bf16, top-k 16, 128-token blocks.
+Shapes are the model's (SPEC section 1): 64 query heads, 4 KV heads, head dim 128,
+index dim 128, bf16, top-k 16, 128-token blocks. ``--dry-run`` swaps in tiny shapes
+and float32 so that every suite's code runs on the CPU in seconds.
+
+Every entry point is timed eager (validation on and off) and as a CUDA-graph replay,
+next to its baselines in the same mode, on the same inputs:
+
+* attention (decode and prefill): dense SDPA over the whole context, gather + SDPA
+  (the selected tokens gathered, then SDPA), and compiled FlexAttention with a block
+  mask built from the same selection (over contiguous, unpaged K/V);
+* block table, indexer, top-k, index-cache insert: the same step as PyTorch ops;
+* the MSA decode step (one-shot and planned): dense SDPA and the gather pipeline.
+
+``msa_decode_stages`` times each launch of a planned decode step on its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 
-
 import mm3lab
-from mm3lab.testing import relative_error
 from mm3lab.constants import HEAD_DIM, INDEX_HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, SPARSE_BLOCK_SIZE
+from mm3lab.testing import relative_error
 
 from . import baselines
-from .common import Context, bench, bench_graph
+from .common import ROTATE_BYTES, Context, Timing, fallback_reason, num_sets, time_replay
+from .prefill import run_prefill  # noqa: F401  (a suite, named in SUITES)
 
-TOPK = 16
-DT = torch.bfloat16
+K128 = 128 * 1024
+
+
+@dataclasses.dataclass
+class Shapes:
+    """The sizes a run uses: the model's on the GPU, tiny ones for the CPU dry run."""
+
+    hq: int
+    hkv: int
+    d: int
+    di: int
+    topk: int
+    dtype: torch.dtype
+    attention_batches: tuple
+    decode_context: int
+    prefill_context: int
+    prefill_chunk: int
+    table_batches: tuple
+    indexer_batches: tuple
+    topk_rows: tuple
+    topk_width: int
+    insert_tokens: tuple
+    msa_batches: tuple
+    stage_shapes: tuple  # (batch, context) pairs
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float", "fp")
+
+
+def model_shapes(quick: bool) -> Shapes:
+    stage = [(b, c) for b in (1, 16, 64) for c in (8 * 1024, 32 * 1024, K128)]
+    return Shapes(
+        hq=NUM_Q_HEADS, hkv=NUM_KV_HEADS, d=HEAD_DIM, di=INDEX_HEAD_DIM, topk=16, dtype=torch.bfloat16,
+        attention_batches=(16,) if quick else (1, 16, 64), decode_context=K128,
+        prefill_context=32 * 1024, prefill_chunk=1024 if quick else 4096,
+        table_batches=(64,) if quick else (1, 16, 64), indexer_batches=(16,) if quick else (1, 16, 64),
+        topk_rows=(64,) if quick else (64, 1024), topk_width=8192,
+        insert_tokens=(16,) if quick else (16, 4096), msa_batches=(16,) if quick else (1, 16, 64),
+        stage_shapes=((16, K128),) if quick else tuple(stage),
+    )
+
+
+def dry_run_shapes() -> Shapes:
+    return Shapes(
+        hq=4, hkv=2, d=16, di=16, topk=2, dtype=torch.float32,
+        attention_batches=(2,), decode_context=300, prefill_context=512, prefill_chunk=128,
+        table_batches=(2,), indexer_batches=(2,), topk_rows=(4,), topk_width=64, insert_tokens=(4,),
+        msa_batches=(2,), stage_shapes=((2, 300),),
+    )
+
+
+def _shapes(ctx: Context) -> Shapes:
+    return ctx.shapes  # set by __main__
+
+
+def _elt(dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _try(ctx: Context, label: str, fn):
+    """Run one measurement; a failure is noted (and the suite goes on) instead of ending the run."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 (a baseline that cannot run here is a note, not a failed run)
+        ctx.notes.append(f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        print(f"  skipped {label}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if ctx.cuda:
+            torch.cuda.synchronize()
+        return None
+
+
+def _ours(ctx: Context, fns, label: str, *, validation: bool = True, graph: bool = True) -> dict:
+    """``{(mode, validation): Timing}`` of an mm3lab entry point: eager on, eager off, graph."""
+    out = {}
+    if validation:
+        with mm3lab.validation(True):
+            out[("eager", True)] = _try(ctx, f"{label} eager", lambda: ctx.eager(fns))
+        with mm3lab.validation(False):
+            out[("eager", False)] = _try(ctx, f"{label} eager (validation off)", lambda: ctx.eager(fns))
+    else:
+        out[("eager", None)] = _try(ctx, f"{label} eager", lambda: ctx.eager(fns))
+    if graph and ctx.cuda:
+        with mm3lab.validation(False):
+            out[("graph", None)] = _try(ctx, f"{label} graph", lambda: ctx.graph(fns))
+    return out
+
+
+def _theirs(ctx: Context, fns, label: str) -> dict:
+    """``{mode: Timing}`` of a baseline."""
+    out = {"eager": _try(ctx, f"{label} eager", lambda: ctx.eager(fns))}
+    if ctx.cuda:
+        out["graph"] = _try(ctx, f"{label} graph", lambda: ctx.graph(fns))
+    return out
+
+
+def _fallback(fn) -> str | None:
+    fn()
+    return fallback_reason()
+
+
+def _free(ctx: Context) -> None:
+    if ctx.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------
+# problems
+# ----------------------------------------------------------------------------
+
+
+class DecodeProblem:
+    """``batch`` requests of ``context`` tokens over one paged KV cache and index cache, and
+    several input sets (each its own random block table over the whole cache, queries and
+    selection): calls rotate over the sets, so consecutive calls read different blocks."""
+
+    def __init__(self, ctx: Context, batch: int, context: int, *, layout: str = "dense", seed: int = 0,
+                 index: bool = True):
+        s = _shapes(ctx)
+        dev, dt = ctx.device, s.dtype
+        self.batch, self.context, self.s = batch, context, s
+        self.m = m = math.ceil(context / SPARSE_BLOCK_SIZE)
+        need = batch * m
+        block_bytes = SPARSE_BLOCK_SIZE * s.hkv * s.d * 2 * _elt(dt)
+        self.num_blocks = max(need, math.ceil(ROTATE_BYTES / block_bytes)) if ctx.cuda else need + 3
+        self.cache = mm3lab.allocate_kv_cache(self.num_blocks, s.hkv, s.d, layout, dtype=dt, device=dev)
+        g = torch.Generator(device=dev).manual_seed(seed)
+        self.cache.kv.normal_(generator=g)
+        self.stride = self.cache.block_page_stride
+        self.index_cache = None
+        if index:
+            self.index_cache = torch.randn(self.num_blocks, SPARSE_BLOCK_SIZE, s.di, generator=g, device=dev, dtype=dt)
+        nsets = 4 if ctx.cuda else 2
+        self.sets = [self._set(g, ctx) for _ in range(nsets)]
+
+    def _set(self, g, ctx):
+        s, b, m, dev, dt = self.s, self.batch, self.m, ctx.device, self.s.dtype
+        bt = torch.randperm(self.num_blocks, generator=g, device=dev)[: b * m].view(b, m).to(torch.int32)
+        seq_lens = torch.full((b,), self.context, dtype=torch.int32, device=dev)
+        scores = torch.rand(s.hkv, b, m, generator=g, device=dev)
+        scores[..., (self.context - 1) // SPARSE_BLOCK_SIZE] = 2.0  # the local block, always selected
+        topk_idx = scores.topk(min(s.topk, m), dim=-1).indices.to(torch.int32)
+        with mm3lab.validation(False):
+            sbt, sctx = mm3lab.build_sparse_block_table_decode(topk_idx, bt, seq_lens, block_page_stride=self.stride)
+
+        def rnd(*shape):
+            return torch.randn(*shape, generator=g, device=dev, dtype=dt)
+
+        return {
+            "block_table": bt, "seq_lens": seq_lens, "topk_idx": topk_idx, "sparse_bt": sbt, "sparse_ctx": sctx,
+            "q": rnd(b, s.hq, s.d), "key": rnd(b, s.hkv, s.d), "value": rnd(b, s.hkv, s.d),
+            "index_q": rnd(b, s.hkv, s.di), "index_k": rnd(b, s.di),
+        }
+
+    def msa_args(self, st) -> tuple:
+        return (st["q"], st["key"], st["value"], st["index_q"], st["index_k"], self.cache.k_cache,
+                self.cache.v_cache, self.index_cache, st["block_table"], st["seq_lens"])
+
+    def attended_bytes(self) -> int:
+        st = self.sets[0]
+        tokens = int(st["sparse_ctx"].sum())
+        return tokens * self.s.d * 2 * _elt(self.s.dtype) + 2 * st["q"].numel() * _elt(self.s.dtype)
+
+
+class DenseKV:
+    """Contiguous K/V ``[B, Hkv, S, D]`` for the dense and FlexAttention baselines, in enough sets for cold L2."""
+
+    def __init__(self, ctx: Context, batch: int, context: int, seed: int = 1):
+        s = _shapes(ctx)
+        bytes_per_set = 2 * batch * s.hkv * context * s.d * _elt(s.dtype)
+        g = torch.Generator(device=ctx.device).manual_seed(seed)
+        n = num_sets(bytes_per_set) if ctx.cuda else 1
+        self.sets = [
+            tuple(torch.randn(batch, s.hkv, context, s.d, generator=g, device=ctx.device, dtype=s.dtype)
+                  for _ in range(2))
+            for _ in range(n)
+        ]
+        self.bytes = bytes_per_set
+
+
+# ----------------------------------------------------------------------------
+# FlexAttention with a block mask from the selection
+# ----------------------------------------------------------------------------
+
+_FLEX = {}
+
+
+def _flex_fn(ctx: Context):
+    """Compiled ``flex_attention`` on the GPU (the uncompiled one on the CPU dry run)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not ctx.cuda:
+        import warnings
+
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        return flex_attention
+    if "fn" not in _FLEX:
+        import torch._dynamo
+
+        for name in ("recompile_limit", "cache_size_limit"):  # one compile per shape, a few shapes per run
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def _block_mask_from_selection(selected: torch.Tensor, group: int, q_len: int, kv_len: int, q_pos0, mask_mod):
+    """A ``BlockMask`` whose listed KV blocks per (batch, query head, 128-row query block) are the selected ones.
+
+    ``selected``: ``[B, Hkv, Q_BLOCKS, M]`` bool; every listed block is partial (``mask_mod`` decides per token).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    sel = selected.repeat_interleave(group, dim=1)  # [B, Hq, QB, M]
+    kv_num = sel.sum(-1).to(torch.int32)
+    kv_idx = torch.argsort(sel.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=SPARSE_BLOCK_SIZE, mask_mod=mask_mod,
+                                    seq_lengths=(q_len, kv_len), compute_q_blocks=False)
+
+
+def flex_causal(seq_lens: torch.Tensor):
+    """``mask_mod`` of decode rows: token ``kv`` visible to request ``b`` while ``kv < seq_lens[b]``.
+
+    Build it once per shape and share it between block masks: a new function is a new compile."""
+    last = (seq_lens.long() - 1).clone()
+
+    def causal(b_, h_, q_, kv_):
+        return kv_ <= last[b_]
+
+    return causal
+
+
+def flex_selection_mask_mod(topk_idx: torch.Tensor, seq_lens: torch.Tensor, group: int, m: int):
+    """``mask_mod`` of decode rows that also holds the selection: exact for uncompiled FlexAttention too,
+    which applies only ``mask_mod`` (the compiled kernel visits only the listed blocks, where the causal
+    ``flex_causal`` is enough and needs no per-selection compile)."""
+    hkv, b, _ = topk_idx.shape
+    sel = torch.zeros(b, hkv, m + 1, dtype=torch.bool, device=topk_idx.device)
+    sel.scatter_(2, torch.where(topk_idx < 0, m, topk_idx.long()).permute(1, 0, 2), True)
+    last = (seq_lens.long() - 1).clone()
+
+    def selected(b_, h_, q_, kv_):
+        return sel[b_, h_ // group, kv_ // SPARSE_BLOCK_SIZE] & (kv_ <= last[b_])
+
+    return selected
+
+
+def check_flex_decode(out: torch.Tensor, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, topk_idx, seq_lens,
+                      scale: float, rows: int = 2) -> float:
+    """Relative error of FlexAttention's decode output against masked softmax over the selected tokens
+    (the first ``rows`` requests, float32)."""
+    b, hkv, s_len, d = kd.shape
+    hq = q.shape[1]
+    r = min(rows, b)
+    sel = flex_selection_mask_mod(topk_idx[:, :r], seq_lens[:r], hq // hkv, math.ceil(s_len / SPARSE_BLOCK_SIZE))
+    kv_idx = torch.arange(s_len, device=kd.device)
+    visible = torch.stack([torch.stack([sel(i, h * (hq // hkv), 0, kv_idx) for h in range(hkv)]) for i in range(r)])
+    qg = q[:r].float().view(r, hkv, hq // hkv, d)
+    scores = torch.einsum("bhgd,bhsd->bhgs", qg, kd[:r].float()) * scale
+    scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
+    want = torch.einsum("bhgs,bhsd->bhgd", scores.softmax(-1), vd[:r].float()).reshape(r, hq, d)
+    return relative_error(out[:r].float().reshape(r, hq, d), want)
+
+
+def flex_decode_inputs(topk_idx: torch.Tensor, mask_mod, group: int, m: int, kv_len: int):
+    """Block mask of decode rows (one per request): the request's selected blocks, ``mask_mod`` inside them."""
+    hkv, b, _ = topk_idx.shape
+    selected = torch.zeros(b, hkv, 1, m + 1, dtype=torch.bool, device=topk_idx.device)
+    idx = torch.where(topk_idx < 0, m, topk_idx.long()).permute(1, 0, 2).unsqueeze(2)  # [B, Hkv, 1, K]
+    selected.scatter_(3, idx, True)
+    return _block_mask_from_selection(selected[..., :m], group, 1, kv_len, None, mask_mod)
+
+
+def flex_prefill_inputs(topk_idx: torch.Tensor, pos0: int, group: int, m: int, kv_len: int):
+    """Block mask of one request's prefill chunk (rows at ``pos0 + i``): per 128-row query block the
+    union of its rows' selections; ``mask_mod`` keeps each row's own selection and causality exactly."""
+    hkv, n, _ = topk_idx.shape
+    rows = torch.zeros(hkv, n, m + 1, dtype=torch.bool, device=topk_idx.device)
+    rows.scatter_(2, torch.where(topk_idx < 0, m, topk_idx.long()), True)
+    rows = rows[..., :m].contiguous()  # [Hkv, N, M]
+    qb = math.ceil(n / SPARSE_BLOCK_SIZE)
+    padded = torch.zeros(hkv, qb * SPARSE_BLOCK_SIZE, m, dtype=torch.bool, device=rows.device)
+    padded[:, :n] = rows
+    union = padded.view(hkv, qb, SPARSE_BLOCK_SIZE, m).any(2).unsqueeze(0)  # [1, Hkv, QB, M]
+
+    def row_mask(b_, h_, q_, kv_):
+        return rows[h_ // group, q_, kv_ // SPARSE_BLOCK_SIZE] & (kv_ <= q_ + pos0)
+
+    return _block_mask_from_selection(union, group, n, kv_len, pos0, row_mask)
+
+
+# ----------------------------------------------------------------------------
+# suites
+# ----------------------------------------------------------------------------
 
 
 @triton.jit
@@ -29,302 +336,374 @@ def _empty_kernel(x_ptr):
     pass
 
 
-def _decode_problem(batch: int, context: int, *, hkv=NUM_KV_HEADS, topk=TOPK, device="cuda", seed=0):
-    """Requests of ``context`` tokens each, their own blocks, and a random selection that includes the tail."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    blocks_per_req = math.ceil(context / SPARSE_BLOCK_SIZE)
-    block_table = torch.randperm(batch * blocks_per_req, generator=g).view(batch, blocks_per_req).to(torch.int32)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32)
-    self_blk = (context - 1) // SPARSE_BLOCK_SIZE
-    scores = torch.rand(hkv, batch, blocks_per_req, generator=g)
-    scores[..., self_blk] = 2.0  # the forced local block
-    topk_idx = scores.topk(min(topk, blocks_per_req), dim=-1).indices.to(torch.int32)
-    return (
-        topk_idx.to(device),
-        block_table.to(device),
-        seq_lens.to(device),
-        batch * blocks_per_req,
-    )
-
-
 def run_launch_overhead(ctx: Context) -> dict:
-    """The floor every launch-bound kernel is compared with: an empty Triton kernel, per launch
-    in a CUDA graph of many, and through do_bench (one launch from Python per timing)."""
+    """The floor: an empty Triton kernel, eager (one Python launch per call) and from a CUDA graph."""
+    if not ctx.cuda:
+        return {}
     x = torch.empty(1, device="cuda")
-    fn = lambda: _empty_kernel[(1,)](x)  # noqa: E731
-    floor = {"graph": bench_graph(fn), "do_bench": bench(fn)}
-    ctx.add("launch_empty_triton", {"grid": 1}, floor["graph"], None, None, None,
-            note="empty Triton kernel, 200 launches per CUDA graph, time per launch")
-    ctx.add("launch_empty_triton_eager", {"grid": 1}, floor["do_bench"], None, None, None,
-            note="do_bench of an empty Triton kernel")
-    return floor
-
-
-def run_block_table(ctx: Context, floor: dict) -> None:
-    rows_list = [1, 64, 256, 1024, 4096] if not ctx.quick else [256]
-    for rows in rows_list:
-        topk_idx, block_table, seq_lens, _ = _decode_problem(rows, 128 * 1024, hkv=NUM_KV_HEADS)
-        out = (
-            torch.empty(NUM_KV_HEADS, rows, TOPK * 8, dtype=torch.int32, device="cuda"),
-            torch.empty(NUM_KV_HEADS, rows, dtype=torch.int32, device="cuda"),
-        )
-        fn = lambda: mm3lab.build_sparse_block_table_decode(topk_idx, block_table, seq_lens, out=out)  # noqa: E731
-        with mm3lab.validation(False):
-            ms = bench_graph(fn)
-            ms_eager = bench(fn)
-        ref = lambda: baselines.torch_block_table_decode(topk_idx, block_table, seq_lens)  # noqa: E731
-        got = fn()
-        want = ref()
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "block table differs from the baseline"
-        base_ms = bench_graph(ref, replays=20)
-        nbytes = topk_idx.numel() * 4 + rows * TOPK * 4 + out[0].numel() * 4 + out[1].numel() * 4
-        shape = {"rows": rows, "kv_heads": NUM_KV_HEADS, "topk": TOPK, "context": 128 * 1024}
-        ctx.add("block_table_decode", shape, ms, "torch_ops", base_ms, nbytes,
-                vs_empty_launch=round(ms / floor["graph"], 3), ms_do_bench=round(ms_eager, 6),
-                do_bench_vs_empty_launch=round(ms_eager / floor["do_bench"], 3))
-
-
-def _kv_for(batch, context, layout, device="cuda"):
-    blocks = batch * math.ceil(context / SPARSE_BLOCK_SIZE)
-    cache = mm3lab.allocate_kv_cache(blocks, NUM_KV_HEADS, HEAD_DIM, layout, dtype=DT, device=device)
-    cache.kv.normal_()
-    return cache
+    fn = lambda: _empty_kernel[(1,)](x)
+    eager, graph = ctx.eager(fn, calls=200), ctx.graph(fn, calls=200)
+    for t in (eager, graph):
+        ctx.add("launch_empty_triton", {"grid": 1}, t.ms, None, None, None, **t.fields(), validation=None,
+                fallback=None)
+    return {"eager": eager.ms, "graph": graph.ms}
 
 
 def run_attention_decode(ctx: Context) -> None:
-    context = 128 * 1024
-    batches = [1, 16, 64] if not ctx.quick else [16]
-    scale = HEAD_DIM**-0.5
-    for batch in batches:
-        topk_idx, block_table, seq_lens, _ = _decode_problem(batch, context)
-        for layout in ("dense", "packed") if batch == 64 else ("dense",):
-            cache = _kv_for(batch, context, layout)
-            stride = cache.block_page_stride
-            sbt, sctx = mm3lab.build_sparse_block_table_decode(topk_idx, block_table, seq_lens, block_page_stride=stride)
-            q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=DT, device="cuda")
-            fn = lambda: mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, scale)  # noqa: E731
-            with mm3lab.validation(False):
-                out = fn()
-                ms = bench(fn)
-                ms_graph = bench_graph(fn, replays=50)
-            ref_out = baselines.naive_sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, scale)
-            err = relative_error(out.float(), ref_out.float())
-            assert err < 2e-2, f"attention differs from the naive path: relative error {err:.3e}"
-            tokens = int(sctx.sum())
-            nbytes = tokens * HEAD_DIM * 2 * 2 + q.numel() * 2 * 2 + sbt.numel() * 4
-            shape = {"batch": batch, "context": context, "layout": layout, "q_heads": NUM_Q_HEADS,
-                     "kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "topk": TOPK, "dtype": "bf16"}
-            naive_ms = bench(lambda: baselines.naive_sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, scale))
-            ctx.add("attention_decode", shape, ms, "naive_gather_sdpa", naive_ms, nbytes,
-                    ms_graph=round(ms_graph, 6), rel_err_vs_naive=round(err, 6))
-            if layout == "dense":
-                # dense SDPA over the whole context, K/V contiguous per request
-                kd = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=DT, device="cuda")
-                vd = torch.randn_like(kd)
-                qd = q.view(batch, NUM_Q_HEADS, 1, HEAD_DIM)
-                dense_ms = bench(lambda: baselines.dense_sdpa_decode(qd, kd, vd))
-                ctx.add("attention_decode", shape, ms, "dense_sdpa", dense_ms, nbytes,
-                        ms_graph=round(ms_graph, 6), dense_bytes=kd.numel() * 2 * 2)
-                del kd, vd
-            del cache
-            torch.cuda.empty_cache()
+    """``sparse_attention`` of decode rows at 128K against dense SDPA, gather + SDPA and FlexAttention."""
+    for batch in _shapes(ctx).attention_batches:
+        _attention_decode_one(ctx, batch)
+        _free(ctx)
+
+
+def _attention_decode_one(ctx, batch) -> None:
+    s = _shapes(ctx)
+    context, scale, group = s.decode_context, s.d ** -0.5, s.hq // s.hkv
+    p = DecodeProblem(ctx, batch, context, index=False)
+    kc, vc = p.cache.k_cache, p.cache.v_cache
+    fns = [lambda st=st: mm3lab.sparse_attention(st["q"], kc, vc, st["sparse_bt"], st["sparse_ctx"], scale)
+           for st in p.sets]
+    st0 = p.sets[0]
+    with mm3lab.validation(False):
+        out = fns[0]()
+    fallback = fallback_reason()
+    ref = baselines.naive_sparse_attention(st0["q"], kc, vc, st0["sparse_bt"], st0["sparse_ctx"], scale)
+    err = relative_error(out.float(), ref.float())
+    assert err < 2e-2, f"sparse_attention differs from gather + SDPA: relative error {err:.3e}"
+    ours = _ours(ctx, fns, f"sparse_attention b{batch}")
+    gather = [lambda st=st: baselines.naive_sparse_attention(st["q"], kc, vc, st["sparse_bt"], st["sparse_ctx"],
+                                                             scale) for st in p.sets]
+    theirs = {"gather_sdpa": _theirs(ctx, gather, f"gather_sdpa b{batch}")}
+    dense = DenseKV(ctx, batch, context)
+    n = max(len(dense.sets), len(p.sets))
+    qd = [st["q"].view(batch, s.hq, 1, s.d) for st in p.sets]
+    dfns = [lambda i=i: baselines.dense_sdpa_decode(qd[i % len(qd)], *dense.sets[i % len(dense.sets)])
+            for i in range(n)]
+    theirs["dense_sdpa"] = _theirs(ctx, dfns, f"dense_sdpa b{batch}")
+    flex = _flex_fn(ctx)
+    causal = flex_causal(st0["seq_lens"])  # every set has the same lengths: one compile per shape
+
+    def mask_mod(st):
+        return causal if ctx.cuda else flex_selection_mask_mod(st["topk_idx"], st["seq_lens"], group, p.m)
+
+    masks = _try(ctx, f"flex block mask b{batch}", lambda: [
+        flex_decode_inputs(st["topk_idx"], mask_mod(st), group, p.m, context) for st in p.sets])
+    if masks is not None:
+        ffns = [lambda i=i: flex(qd[i % len(qd)], *dense.sets[i % len(dense.sets)],
+                                 block_mask=masks[i % len(masks)], scale=scale, enable_gqa=True)
+                for i in range(n)]
+        flex_err = _try(ctx, f"flex_attention b{batch} check", lambda: check_flex_decode(
+            ffns[0](), qd[0].view(batch, s.hq, s.d), *dense.sets[0], st0["topk_idx"], st0["seq_lens"], scale))
+        if flex_err is not None and flex_err < 2e-2:
+            theirs["flex_attention"] = _theirs(ctx, ffns, f"flex_attention b{batch}")
+        else:
+            ctx.notes.append(f"flex_attention b{batch}: output check failed (relative error {flex_err})")
+    shape = {"batch": batch, "context": context, "q_heads": s.hq, "kv_heads": s.hkv, "head_dim": s.d,
+             "topk": s.topk, "dtype": s.dtype_name, "layout": "dense"}
+    ctx.compare("sparse_attention", shape, ours, theirs, p.attended_bytes(), fallback,
+                rel_err_vs_gather=round(err, 6), dense_bytes=dense.bytes)
+    _free(ctx)
 
 
 def run_attention_prefill(ctx: Context) -> None:
-    context = 32 * 1024
-    chunk = 4096 if not ctx.quick else 1024
-    g = torch.Generator().manual_seed(1)
-    nblocks = context // SPARSE_BLOCK_SIZE
-    cache = _kv_for(1, context, "dense")
-    block_table = torch.randperm(nblocks, generator=g).view(1, nblocks).to(torch.int32).cuda()
-    pos = torch.arange(context - chunk, context, dtype=torch.int32, device="cuda")
-    req = torch.zeros(chunk, dtype=torch.int32, device="cuda")
+    """``sparse_attention`` of one prefill chunk (the last ``chunk`` tokens of a 32K request), random
+    selection, against dense SDPA over the same rows and FlexAttention with the selection's block mask.
+    (Gather + SDPA is left out: the gathered K/V of a 4096-row chunk would take 17 GB.)"""
+    s = _shapes(ctx)
+    context, chunk, scale, group = s.prefill_context, s.prefill_chunk, s.d ** -0.5, s.hq // s.hkv
+    dev, dt = ctx.device, s.dtype
+    p = DecodeProblem(ctx, 1, context, index=False)
+    kc, vc = p.cache.k_cache, p.cache.v_cache
+    pos0 = context - chunk
+    pos = torch.arange(pos0, context, dtype=torch.int32, device=dev)
+    req = torch.zeros(chunk, dtype=torch.int32, device=dev)
     self_blk = pos.long() // SPARSE_BLOCK_SIZE
-    scores = torch.rand(NUM_KV_HEADS, chunk, nblocks, generator=g).cuda()
-    scores = scores.masked_fill(torch.arange(nblocks, device="cuda") > self_blk.view(1, -1, 1), -1.0)
-    scores.scatter_(2, self_blk.view(1, -1, 1).expand(NUM_KV_HEADS, -1, 1), 2.0)
-    topk_idx = scores.topk(TOPK, dim=-1).indices.to(torch.int32)
-    sbt, sctx = mm3lab.build_sparse_block_table_prefill(topk_idx, block_table, req, pos)
-    q = torch.randn(chunk, NUM_Q_HEADS, HEAD_DIM, dtype=DT, device="cuda")
+    g = torch.Generator(device=dev).manual_seed(5)
+    sets = []
+    for st in p.sets[:2]:
+        bt = st["block_table"]
+        scores = torch.rand(s.hkv, chunk, p.m, generator=g, device=dev)
+        scores = scores.masked_fill(torch.arange(p.m, device=dev) > self_blk.view(1, -1, 1), -1.0)
+        scores.scatter_(2, self_blk.view(1, -1, 1).expand(s.hkv, -1, 1), 2.0)
+        topk_idx = scores.topk(min(s.topk, p.m), dim=-1).indices.to(torch.int32)
+        with mm3lab.validation(False):
+            sbt, sctx = mm3lab.build_sparse_block_table_prefill(topk_idx, bt, req, pos,
+                                                               block_page_stride=p.stride)
+        sets.append({"q": torch.randn(chunk, s.hq, s.d, generator=g, device=dev, dtype=dt), "topk_idx": topk_idx,
+                         "sparse_bt": sbt, "sparse_ctx": sctx})
+    fns = [lambda st=st: mm3lab.sparse_attention(st["q"], kc, vc, st["sparse_bt"], st["sparse_ctx"], scale)
+           for st in sets]
     with mm3lab.validation(False):
-        ms = bench(lambda: mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx))
-    attended = int(sctx.sum()) * (NUM_Q_HEADS // NUM_KV_HEADS)
-    flops = 4 * attended * HEAD_DIM
-    # dense causal SDPA over the full 32K context
-    qd = torch.randn(1, NUM_Q_HEADS, context, HEAD_DIM, dtype=DT, device="cuda")
-    kd = torch.randn(1, NUM_KV_HEADS, context, HEAD_DIM, dtype=DT, device="cuda")
+        fns[0]()
+    fallback = fallback_reason()
+    ours = _ours(ctx, fns, "attention_prefill")
+    # dense: the chunk's rows over the whole prefix, causal, K/V expanded to every query head
+    kd = torch.randn(1, s.hq, context, s.d, generator=g, device=dev, dtype=dt)
     vd = torch.randn_like(kd)
-    dense_ms = bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True))
-    dense_flops = 4 * NUM_Q_HEADS * HEAD_DIM * context * (context + 1) / 2
-    shape = {"chunk": chunk, "context": context, "q_heads": NUM_Q_HEADS, "kv_heads": NUM_KV_HEADS,
-             "head_dim": HEAD_DIM, "topk": TOPK, "dtype": "bf16"}
-    tflops = flops / (ms * 1e-3) / 1e12
-    dense_tflops = dense_flops / (dense_ms * 1e-3) / 1e12
-    ctx.add("attention_prefill", shape, ms, "dense_sdpa_causal_32k", dense_ms, None,
-            attended_TFLOPs=round(tflops, 2), baseline_TFLOPs=round(dense_tflops, 2),
-            flops_ratio=round(tflops / dense_tflops, 3))
-    del cache, qd, kd, vd
-    torch.cuda.empty_cache()
+    visible = (torch.arange(context, device=dev).view(1, -1) <= pos.view(-1, 1).long()).view(1, 1, chunk, context)
+    qd = [st["q"].permute(1, 0, 2).unsqueeze(0).contiguous() for st in sets]  # [1, Hq, chunk, D]
+    dfns = [lambda q=q: F.scaled_dot_product_attention(q, kd, vd, attn_mask=visible, scale=scale) for q in qd]
+    theirs = {"dense_sdpa": _theirs(ctx, dfns, "dense_sdpa prefill")}
+    kf, vf = kd[:, :: group].contiguous(), vd[:, :: group].contiguous()  # [1, Hkv, S, D]
+    flex = _flex_fn(ctx)
+    # one set (one mask_mod, one compile): the chunk is compute-bound, L2 does not matter
+    mask = _try(ctx, "flex block mask prefill", lambda: flex_prefill_inputs(sets[0]["topk_idx"], pos0, group, p.m,
+                                                                            context))
+    if mask is not None:
+        ffns = [lambda: flex(qd[0], kf, vf, block_mask=mask, scale=scale, enable_gqa=True)]
+        theirs["flex_attention"] = _theirs(ctx, ffns, "flex_attention prefill")
+    attended = int(sets[0]["sparse_ctx"].sum()) * group
+    flops = 4 * attended * s.d
+    dense_flops = 4 * s.hq * s.d * sum(range(pos0 + 1, context + 1))
+    shape = {"chunk": chunk, "context": context, "selection": "random", "q_heads": s.hq, "kv_heads": s.hkv,
+             "head_dim": s.d, "topk": s.topk, "dtype": s.dtype_name}
+    for (mode, validation), t in ours.items():
+        if t is None:
+            continue
+        for base, times in theirs.items():
+            bt = times.get(mode)
+            if bt is None:
+                continue
+            tflops = flops / (t.ms * 1e-3) / 1e12
+            base_tflops = (dense_flops if base == "dense_sdpa" else flops) / (bt.ms * 1e-3) / 1e12
+            ctx.add("attention_prefill", shape, t.ms, base, bt.ms, None, **t.fields(), validation=validation,
+                    fallback=fallback, baseline_cv=round(bt.cv, 4), attended_TFLOPs=round(tflops, 3),
+                    baseline_TFLOPs=round(base_tflops, 3), flops_ratio=round(tflops / base_tflops, 3))
+    _free(ctx)
 
 
-def _index_problem(batch, context, device="cuda", seed=2):
-    g = torch.Generator().manual_seed(seed)
-    blocks_per_req = math.ceil(context / SPARSE_BLOCK_SIZE)
-    index_cache = torch.randn(batch * blocks_per_req, SPARSE_BLOCK_SIZE, INDEX_HEAD_DIM, generator=g).to(DT).to(device)
-    block_table = torch.randperm(batch * blocks_per_req, generator=g).view(batch, blocks_per_req).to(torch.int32).to(device)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    index_q = torch.randn(batch, NUM_KV_HEADS, INDEX_HEAD_DIM, generator=g).to(DT).to(device)
-    return index_q, index_cache, block_table, seq_lens, blocks_per_req
+def run_block_table(ctx: Context) -> None:
+    """``build_sparse_block_table_decode`` (caller-owned outputs) against the same table as PyTorch ops."""
+    s = _shapes(ctx)
+    for batch in s.table_batches:
+        _block_table_one(ctx, batch)
+        _free(ctx)
+
+
+def _block_table_one(ctx, batch) -> None:
+    s = _shapes(ctx)
+    p = DecodeProblem(ctx, batch, s.decode_context, index=False)
+    outs = [(torch.empty_like(st["sparse_bt"]), torch.empty_like(st["sparse_ctx"])) for st in p.sets]
+    fns = [lambda st=st, o=o: mm3lab.build_sparse_block_table_decode(
+        st["topk_idx"], st["block_table"], st["seq_lens"], block_page_stride=p.stride, out=o)
+        for st, o in zip(p.sets, outs)]
+    ref = [lambda st=st: baselines.torch_block_table_decode(
+        st["topk_idx"], st["block_table"], st["seq_lens"], block_page_stride=p.stride) for st in p.sets]
+    with mm3lab.validation(False):
+        got = fns[0]()
+    fallback = fallback_reason()
+    want = ref[0]()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "block table differs from PyTorch ops"
+    ours = _ours(ctx, fns, f"block_table b{batch}")
+    theirs = {"torch_ops": _theirs(ctx, ref, f"torch block table b{batch}")}
+    nbytes = sum(t.numel() * 4 for t in (p.sets[0]["topk_idx"], *outs[0])) + batch * s.topk * 4
+    shape = {"batch": batch, "context": s.decode_context, "kv_heads": s.hkv, "topk": s.topk}
+    ctx.compare("block_table_decode", shape, ours, theirs, nbytes, fallback)
+    _free(ctx)
 
 
 def run_indexer_decode(ctx: Context) -> None:
-    context = 128 * 1024
-    for batch in [1, 16, 64] if not ctx.quick else [64]:
-        index_q, index_cache, block_table, seq_lens, nb = _index_problem(batch, context)
-        fn = lambda: mm3lab.index_topk_decode(index_q, index_cache, block_table, seq_lens, TOPK)  # noqa: E731
-        with mm3lab.validation(False):
-            topk_idx = fn()
-            ms = bench(fn)
-        base = lambda: baselines.torch_index_scores(index_q, index_cache, block_table, seq_lens, nb).topk(TOPK, dim=-1)  # noqa: E731
-        base_ms = bench(base)
-        nbytes = batch * context * INDEX_HEAD_DIM * 2
-        shape = {"batch": batch, "context": context, "index_heads": NUM_KV_HEADS, "index_dim": INDEX_HEAD_DIM,
-                 "topk": TOPK, "dtype": "bf16"}
-        ctx.add("indexer_decode", shape, ms, "torch_einsum_amax_topk", base_ms, nbytes)
-        # fused top-k + block table against the two launches apart
-        if hasattr(mm3lab, "index_topk_block_table_decode"):
-            fused = lambda: mm3lab.index_topk_block_table_decode(index_q, index_cache, block_table, seq_lens, TOPK)  # noqa: E731
-            apart = lambda: mm3lab.build_sparse_block_table_decode(fn(), block_table, seq_lens)  # noqa: E731
-            with mm3lab.validation(False):
-                f_out = fused()
-                a_out = apart()
-                assert torch.equal(f_out[1], a_out[0]) and torch.equal(f_out[2], a_out[1])
-                fused_ms = bench(fused)
-                apart_ms = bench(apart)
-            ctx.add("indexer_decode_fused_block_table", shape, fused_ms, "indexer_then_block_table", apart_ms, nbytes)
-        del index_cache
-        torch.cuda.empty_cache()
+    """``index_topk_decode`` (scores + top-k) against einsum, block max and ``torch.topk``."""
+    s = _shapes(ctx)
+    for batch in s.indexer_batches:
+        _indexer_decode_one(ctx, batch)
+        _free(ctx)
 
 
-def run_indexer_prefill(ctx: Context) -> None:
-    context = 32 * 1024
-    chunk = 2048 if not ctx.quick else 512
-    index_q, index_cache, block_table, _, nb = _index_problem(1, context)
-    g = torch.Generator().manual_seed(3)
-    index_q = torch.randn(chunk, NUM_KV_HEADS, INDEX_HEAD_DIM, generator=g).to(DT).cuda()
-    pos = torch.arange(context - chunk, context, dtype=torch.int32, device="cuda")
-    req = torch.zeros(chunk, dtype=torch.int32, device="cuda")
+def _indexer_decode_one(ctx, batch) -> None:
+    s = _shapes(ctx)
+    p = DecodeProblem(ctx, batch, s.decode_context)
+    ic = p.index_cache
+    fns = [lambda st=st: mm3lab.index_topk_decode(st["index_q"], ic, st["block_table"], st["seq_lens"], s.topk)
+           for st in p.sets]
+    ref = [lambda st=st: baselines.torch_index_scores(st["index_q"], ic, st["block_table"], st["seq_lens"],
+                                                      p.m).topk(min(s.topk, p.m), dim=-1) for st in p.sets]
     with mm3lab.validation(False):
-        ms = bench(lambda: mm3lab.index_topk_prefill(index_q, index_cache, block_table, req, pos, TOPK))
-    keys = index_cache[block_table[0].long()].reshape(-1, INDEX_HEAD_DIM)  # [S, Di]
-
-    def base():
-        dots = torch.einsum("nhd,sd->hns", index_q, keys).float()
-        dots = dots.masked_fill(torch.arange(context, device="cuda") > pos.view(1, -1, 1), float("-inf"))
-        return dots.view(NUM_KV_HEADS, chunk, nb, SPARSE_BLOCK_SIZE).amax(-1).topk(TOPK, dim=-1)
-
-    base_ms = bench(base)
-    flops = 2 * chunk * NUM_KV_HEADS * INDEX_HEAD_DIM * context
-    shape = {"chunk": chunk, "context": context, "index_heads": NUM_KV_HEADS, "index_dim": INDEX_HEAD_DIM,
-             "topk": TOPK, "dtype": "bf16"}
-    ctx.add("indexer_prefill", shape, ms, "torch_einsum_amax_topk", base_ms, context * INDEX_HEAD_DIM * 2,
-            score_TFLOPs=round(flops / (ms * 1e-3) / 1e12, 2))
+        fns[0]()
+    fallback = fallback_reason()
+    ours = _ours(ctx, fns, f"indexer b{batch}")
+    theirs = {"torch_ops": _theirs(ctx, ref, f"torch indexer b{batch}")}
+    nbytes = batch * s.decode_context * s.di * _elt(s.dtype)
+    shape = {"batch": batch, "context": s.decode_context, "index_heads": s.hkv, "index_dim": s.di,
+             "topk": s.topk, "dtype": s.dtype_name}
+    ctx.compare("indexer_decode", shape, ours, theirs, nbytes, fallback)
+    _free(ctx)
 
 
 def run_topk(ctx: Context) -> None:
-    """Top-16 of 8192-wide score rows (1M tokens): CUDA-graph replay (the kernel is launch-bound
-    at few rows), do_bench alongside; the whole-row selection (no group pre-selection) for comparison."""
-    from mm3lab.indexer.kernel import topk_kernel
-
-    for rows in [4, 64, 256, 1024] if not ctx.quick else [64]:
-        scores = torch.randn(rows, 8192, device="cuda")
-        out = torch.empty(1, rows, TOPK, dtype=torch.int32, device="cuda")
-        rows3 = scores.view(1, rows, 8192)
-        fn = lambda: topk_kernel(rows3, TOPK, out)  # noqa: E731
-        whole = lambda: topk_kernel(rows3, TOPK, out, group=1)  # noqa: E731
-        base = lambda: torch.topk(scores, TOPK, dim=-1)  # noqa: E731
-        fn()
-        assert torch.equal(out[0].long(), base().indices), "top-k differs from torch.topk"
-        ms, base_ms = bench_graph(fn), bench_graph(base)
-        ctx.add("topk", {"rows": rows, "width": 8192, "k": TOPK}, ms, "torch.topk", base_ms, scores.numel() * 4,
-                timing="cuda_graph", ms_whole_row=round(bench_graph(whole), 6),
-                ms_do_bench=round(bench(fn), 6), baseline_ms_do_bench=round(bench(base), 6))
-    # top-k fused with the sparse block table against top-k then the block-table launch, from the
-    # same decode scores (the scoring launch left out, so the saved launch is visible)
-    for batch, context in [(64, 128 * 1024), (16, 1024 * 1024)] if not ctx.quick else [(64, 128 * 1024)]:
-        _, block_table, seq_lens, _ = _decode_problem(batch, context)
-        width = block_table.shape[1]
-        scores = torch.randn(NUM_KV_HEADS, batch, width, device="cuda")
-        idx = torch.empty(NUM_KV_HEADS, batch, TOPK, dtype=torch.int32, device="cuda")
-        sbt = torch.empty(NUM_KV_HEADS, batch, TOPK * 8, dtype=torch.int32, device="cuda")
-        sctx = torch.empty(NUM_KV_HEADS, batch, dtype=torch.int32, device="cuda")
-        rows = dict(positions=1, req=seq_lens, batch=batch)
-        fused = lambda: topk_kernel(scores, TOPK, idx, block_table=block_table, sparse_bt=sbt, sparse_ctx=sctx, **rows)  # noqa: E731
-
-        def apart():
-            topk_kernel(scores, TOPK, idx, **rows)
-            return mm3lab.build_sparse_block_table_decode(idx, block_table, seq_lens)
-
+    """``topk_blocks`` over score rows (8192 blocks = 1M tokens) against ``torch.topk``."""
+    s = _shapes(ctx)
+    g = torch.Generator(device=ctx.device).manual_seed(7)
+    for rows in s.topk_rows:
+        n = num_sets(rows * s.topk_width * 4) if ctx.cuda else 2
+        sets = [torch.randn(rows, s.topk_width, generator=g, device=ctx.device) for _ in range(n)]
+        fns = [lambda x=x: mm3lab.topk_blocks(x, s.topk) for x in sets]
+        ref = [lambda x=x: torch.topk(x, s.topk, dim=-1) for x in sets]
         with mm3lab.validation(False):
-            want = apart()
-            fused()
-            assert torch.equal(sbt, want[0]) and torch.equal(sctx, want[1]), "fused top-k + block table differs"
-            ms, base_ms = bench_graph(fused), bench_graph(apart)
-        ctx.add("topk_fused_block_table", {"batch": batch, "kv_heads": NUM_KV_HEADS, "width": width, "k": TOPK},
-                ms, "topk_then_block_table", base_ms, scores.numel() * 4, timing="cuda_graph")
+            got = fns[0]()
+        fallback = fallback_reason()
+        assert torch.equal(got.long(), ref[0]().indices), "topk_blocks differs from torch.topk"
+        ours = _ours(ctx, fns, f"topk r{rows}")
+        theirs = {"torch_topk": _theirs(ctx, ref, f"torch.topk r{rows}")}
+        ctx.compare("topk", {"rows": rows, "width": s.topk_width, "k": s.topk}, ours, theirs,
+                    rows * s.topk_width * 4, fallback)
+    _free(ctx)
 
 
 def run_index_cache(ctx: Context) -> None:
-    for tokens in [16, 4096] if not ctx.quick else [4096]:
-        num_blocks = 4096
-        cache = torch.zeros(num_blocks, SPARSE_BLOCK_SIZE, INDEX_HEAD_DIM, dtype=DT, device="cuda")
-        keys = torch.randn(tokens, INDEX_HEAD_DIM, dtype=DT, device="cuda")
-        slots = torch.randperm(num_blocks * SPARSE_BLOCK_SIZE, device="cuda")[:tokens].to(torch.int64)
+    """``insert_index_cache`` against ``index_copy_`` into the flattened cache."""
+    s = _shapes(ctx)
+    dev, dt = ctx.device, s.dtype
+    num_blocks = 4096 if ctx.cuda else 8
+    cache = torch.zeros(num_blocks, SPARSE_BLOCK_SIZE, s.di, dtype=dt, device=dev)
+    flat = cache.view(-1, s.di)
+    g = torch.Generator(device=dev).manual_seed(8)
+    for tokens in s.insert_tokens:
+        sets = [(torch.randn(tokens, s.di, generator=g, device=dev, dtype=dt),
+                 torch.randperm(num_blocks * SPARSE_BLOCK_SIZE, generator=g, device=dev)[:tokens])
+                for _ in range(4 if ctx.cuda else 2)]
+        fns = [lambda k=k, sl=sl: mm3lab.insert_index_cache(k, cache, sl) for k, sl in sets]
+        ref = [lambda k=k, sl=sl: flat.index_copy_(0, sl, k) for k, sl in sets]
         with mm3lab.validation(False):
-            ms = bench_graph(lambda: mm3lab.insert_index_cache(keys, cache, slots))
-        base_ms = bench_graph(lambda: cache.view(-1, INDEX_HEAD_DIM).index_copy_(0, slots, keys))
-        ctx.add("index_cache_insert", {"tokens": tokens, "index_dim": INDEX_HEAD_DIM, "dtype": "bf16"}, ms,
-                "torch_index_copy", base_ms, tokens * INDEX_HEAD_DIM * 2 * 2 + tokens * 8)
+            fns[0]()
+        fallback = fallback_reason()
+        ours = _ours(ctx, fns, f"insert t{tokens}")
+        theirs = {"torch_ops": _theirs(ctx, ref, f"index_copy t{tokens}")}
+        ctx.compare("index_cache_insert", {"tokens": tokens, "index_dim": s.di, "dtype": s.dtype_name}, ours,
+                    theirs, tokens * s.di * _elt(dt) * 2 + tokens * 8, fallback)
+    _free(ctx)
+
+
+def _gather_pipeline(p: DecodeProblem, scale: float):
+    """The decode step as PyTorch ops: index scores, ``torch.topk``, the block table, gather + SDPA
+    (the KV and index-key writes as ``index_copy_``)."""
+    s = p.s
+    kv_flat = p.cache.kv  # [blocks, 2, 128, Hkv, D] page-128 view, dense layout
+    ic_flat = p.index_cache.view(-1, s.di)
+
+    def step(st):
+        slots = (st["block_table"].long()[torch.arange(p.batch, device=kv_flat.device),
+                                           (st["seq_lens"].long() - 1) // SPARSE_BLOCK_SIZE]
+                 * SPARSE_BLOCK_SIZE + (st["seq_lens"].long() - 1) % SPARSE_BLOCK_SIZE)
+        ic_flat.index_copy_(0, slots, st["index_k"])
+        blk, off = slots // SPARSE_BLOCK_SIZE, slots % SPARSE_BLOCK_SIZE
+        kv_flat[blk, 0, off] = st["key"]
+        kv_flat[blk, 1, off] = st["value"]
+        scores = baselines.torch_index_scores(st["index_q"], p.index_cache, st["block_table"], st["seq_lens"], p.m)
+        topk_idx = scores.topk(min(s.topk, p.m), dim=-1).indices.to(torch.int32)
+        sbt, sctx = baselines.torch_block_table_decode(topk_idx, st["block_table"], st["seq_lens"],
+                                                       block_page_stride=p.stride)
+        return baselines.naive_sparse_attention(st["q"], p.cache.k_cache, p.cache.v_cache, sbt, sctx, scale)
+
+    return step
 
 
 def run_msa_decode(ctx: Context) -> None:
-    msa = getattr(mm3lab, "msa_decode", None)
-    if msa is None:
-        return
-    ctx_len = 128 * 1024
-    for batch in [16, 64] if not ctx.quick else [16]:
-        index_q, index_cache, block_table, seq_lens, nb = _index_problem(batch, ctx_len)
-        cache = _kv_for(batch, ctx_len, "dense")
-        q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=DT, device="cuda")
-        k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, dtype=DT, device="cuda")
-        v = torch.randn_like(k)
-        index_k = torch.randn(batch, INDEX_HEAD_DIM, dtype=DT, device="cuda")
-        kwargs = dict(q=q, key=k, value=v, index_q=index_q, index_k=index_k, k_cache=cache.k_cache, v_cache=cache.v_cache,
-                      index_cache=index_cache, block_table=block_table, seq_lens=seq_lens)
+    """One MSA decode step at 128K: ``msa_decode`` and ``MSADecodePlan`` (eager, and graph replay: the
+    one-shot call captured, the plan's own ``graph=True``) against dense SDPA and the gather pipeline."""
+    for batch in _shapes(ctx).msa_batches:
+        _msa_decode_one(ctx, batch)
+        _free(ctx)
+
+
+def _msa_decode_one(ctx, batch) -> None:
+    s = _shapes(ctx)
+    context, scale = s.decode_context, s.d ** -0.5
+    p = DecodeProblem(ctx, batch, context)
+    fns = [lambda st=st: mm3lab.msa_decode(*p.msa_args(st), topk=s.topk) for st in p.sets]
+    with mm3lab.validation(False):
+        want = fns[0]().clone()
+    fallback = fallback_reason()
+    ours = _ours(ctx, fns, f"msa_decode b{batch}")
+    plan = mm3lab.MSADecodePlan(p.cache.k_cache, p.cache.v_cache, p.index_cache, batch=batch, max_blocks=p.m,
+                                num_q_heads=s.hq, topk=s.topk)
+    pfns = [lambda st=st: plan.run(*p.msa_args(st)) for st in p.sets]
+    assert torch.equal(pfns[0](), want), "MSADecodePlan differs from msa_decode"
+    plan_t = _ours(ctx, pfns, f"msa_decode plan b{batch}", graph=False)
+    if ctx.cuda and plan.uses_kernels:
+        gplan = mm3lab.MSADecodePlan(p.cache.k_cache, p.cache.v_cache, p.index_cache, batch=batch,
+                                     max_blocks=p.m, num_q_heads=s.hq, topk=s.topk, graph=True)
+        gfns = [lambda st=st: gplan.run(*p.msa_args(st)) for st in p.sets]
         with mm3lab.validation(False):
-            ms = bench(lambda: msa(**kwargs))
-            # as a serving engine runs a layer: captured in a CUDA graph (no host work per step)
-            ms_graph = bench_graph(lambda: msa(**kwargs), replays=20)
-        kd = torch.randn(batch, NUM_KV_HEADS, ctx_len, HEAD_DIM, dtype=DT, device="cuda")
-        vd = torch.randn_like(kd)
-        dense_ms = bench(lambda: baselines.dense_sdpa_decode(q.view(batch, NUM_Q_HEADS, 1, HEAD_DIM), kd, vd))
-        nbytes = batch * (ctx_len * INDEX_HEAD_DIM * 2 + NUM_KV_HEADS * TOPK * SPARSE_BLOCK_SIZE * HEAD_DIM * 2 * 2)
-        ctx.add("msa_decode", {"batch": batch, "context": ctx_len, "dtype": "bf16", "topk": TOPK}, ms,
-                "dense_sdpa", dense_ms, nbytes, ms_graph=round(ms_graph, 6),
-                speedup_graph=round(dense_ms / ms_graph, 3))
-        del cache, kd, vd, index_cache
-        torch.cuda.empty_cache()
+            assert torch.equal(gfns[0](), want), "MSADecodePlan(graph=True) differs from msa_decode"
+            plan_t[("graph", None)] = _try(ctx, f"plan graph b{batch}",
+                                           lambda: time_replay(lambda: [f() for f in gfns], calls=ctx.calls,
+                                                               samples=ctx.samples))
+        if plan_t[("graph", None)] is not None:  # the replay ran once per set: per call
+            t = plan_t[("graph", None)]
+            k = len(gfns)
+            plan_t[("graph", None)] = Timing(t.ms / k, t.cv, t.samples, "graph",
+                                             None if t.host_ms is None else t.host_ms / k)
+    step = _gather_pipeline(p, scale)
+    theirs = {"gather_sdpa": _theirs(ctx, [lambda st=st: step(st) for st in p.sets], f"gather pipeline b{batch}")}
+    dense = DenseKV(ctx, batch, context)
+    qd = [st["q"].view(batch, s.hq, 1, s.d) for st in p.sets]
+    n = max(len(dense.sets), len(qd))
+    dfns = [lambda i=i: baselines.dense_sdpa_decode(qd[i % len(qd)], *dense.sets[i % len(dense.sets)])
+            for i in range(n)]
+    theirs["dense_sdpa"] = _theirs(ctx, dfns, f"dense_sdpa b{batch}")
+    nbytes = batch * (context * s.di * _elt(s.dtype)) + p.attended_bytes()
+    shape = {"batch": batch, "context": context, "dtype": s.dtype_name, "topk": s.topk, "q_heads": s.hq,
+             "kv_heads": s.hkv, "head_dim": s.d, "index_dim": s.di}
+    ctx.compare("msa_decode", shape, ours, theirs, nbytes, fallback)
+    ctx.compare("msa_decode_plan", shape, plan_t, theirs, nbytes, fallback)
+    _free(ctx)
+
+
+def _stage_times(ctx: Context, fns, label: str) -> dict:
+    with mm3lab.validation(False):
+        return {"eager": _try(ctx, label + " eager", lambda: ctx.eager(fns)),
+                "graph": _try(ctx, label + " graph", lambda: ctx.graph(fns)) if ctx.cuda else None}
+
+
+STAGES = ("insert", "indexer_scores", "topk", "block_table", "topk_block_table", "attention")
+
+
+def run_msa_decode_stages(ctx: Context) -> None:
+    """Where the time of one planned MSA decode step goes: each launch alone, eager and graph, and the
+    whole step (``total``: the plan's eager ``run`` with validation off, and its launches in one graph)."""
+    s = _shapes(ctx)
+    for batch, context in s.stage_shapes:
+        _msa_decode_stages_one(ctx, batch, context)
+        _free(ctx)
+
+
+def _msa_decode_stages_one(ctx, batch, context) -> None:
+    s = _shapes(ctx)
+    p = DecodeProblem(ctx, batch, context)
+    plan = mm3lab.MSADecodePlan(p.cache.k_cache, p.cache.v_cache, p.index_cache, batch=batch, max_blocks=p.m,
+                                num_q_heads=s.hq, topk=s.topk)
+    if not plan.uses_kernels:
+        ctx.notes.append(f"msa_decode_stage b{batch} c{context}: the {mm3lab.get_backend()} backend runs no "
+                         "separate launches")
+        return
+    with mm3lab.validation(False):
+        for st in p.sets:
+            plan.run(*p.msa_args(st))
+    stages = [plan.stages(*p.msa_args(st)) for st in p.sets]
+    base = {"batch": batch, "context": context, "dtype": s.dtype_name, "topk": s.topk}
+    for name in (*STAGES, "total"):
+        if name == "total":
+            fns = [lambda st=st: plan.run(*p.msa_args(st)) for st in p.sets]
+        else:
+            fns = [st[name] for st in stages]
+        for mode, t in _stage_times(ctx, fns, f"stage {name} b{batch} c{context}").items():
+            if t is not None:
+                ctx.add("msa_decode_stage", {**base, "stage": name}, t.ms, None, None, None, **t.fields(),
+                        validation=False if mode == "eager" else None, fallback=None)
+    _free(ctx)
 
 
 SUITES = {
-    "block_table": "run_block_table",
-    "index_cache": "run_index_cache",
-    "indexer_decode": "run_indexer_decode",
-    "indexer_prefill": "run_indexer_prefill",
-    "topk": "run_topk",
     "attention_decode": "run_attention_decode",
     "attention_prefill": "run_attention_prefill",
+    "block_table": "run_block_table",
+    "indexer_decode": "run_indexer_decode",
+    "topk": "run_topk",
+    "index_cache": "run_index_cache",
     "msa_decode": "run_msa_decode",
+    "msa_decode_stages": "run_msa_decode_stages",
+    "prefill": "run_prefill",
 }
 
-__all__ = ["SUITES"]
+__all__ = ["SUITES", "Shapes", "dry_run_shapes", "model_shapes"]

@@ -18,6 +18,7 @@ Errors name the argument (and, for value checks, the row).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Sequence
 
@@ -93,6 +94,21 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return first.device
 
 
+def check_device(name: str, device) -> torch.device:
+    """A device to allocate on (``str`` or ``torch.device``) that this machine has; returns it."""
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(f"{name}: expected a device such as 'cpu' or 'cuda', got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(f"{name}: {device!r} is not a device ({err})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}: {str(device)!r} asked for, but this machine has no CUDA GPU (use 'cpu')")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"{name}: {str(device)!r} asked for, but this machine has {torch.cuda.device_count()} GPU(s)")
+    return device
+
+
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
@@ -107,6 +123,32 @@ def check_out(name: str, out: torch.Tensor | None, shape: Sequence[int], dtype: 
         raise ValueError(f"{name}: expected a tensor on {device}, got {out.device}")
     if not out.is_contiguous():
         raise ValueError(f"{name}: must be contiguous")
+
+
+def _storage_span(t: torch.Tensor) -> tuple[int, int] | None:
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    start = t.data_ptr()
+    last = start + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) * t.element_size()
+    return start, last + t.element_size()
+
+
+def check_no_alias(*, inputs: dict, **buffers) -> None:
+    """No tensor of ``inputs`` shares memory with a tensor of ``buffers`` (the ones a call writes).
+
+    Metadata only (address ranges, no device work); ``None`` entries are skipped. A call that
+    read an input through the buffer it writes would read its own output.
+    """
+    for out_name, buf in buffers.items():
+        if not isinstance(buf, torch.Tensor):
+            continue
+        span = _storage_span(buf)
+        for name, t in inputs.items():
+            if not isinstance(t, torch.Tensor) or t.device != buf.device:
+                continue
+            other = _storage_span(t)
+            if span and other and other[0] < span[1] and span[0] < other[1]:
+                raise ValueError(f"{name}: shares memory with {out_name}, which this call writes; pass a copy")
 
 
 def first_bad_row(mask: torch.Tensor) -> int | None:
@@ -133,6 +175,17 @@ def check_int(name: str, value, *, minimum: int, maximum: int | None = None) -> 
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
     return value
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """The softmax ``scale``: ``None`` (``head_dim ** -0.5``) or a finite Python float / int (not a bool)."""
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float, got {scale}")
+    return float(scale)
 
 
 def check_block_page_stride(block_page_stride) -> int:

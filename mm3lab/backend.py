@@ -160,9 +160,16 @@ def fallback_taken(entry_point: str, rule: str) -> None:
     logger.info("mm3lab.%s runs the PyTorch path: %s", entry_point, FALLBACK_RULES[rule])
 
 
-def fallbacks_taken() -> dict[str, str]:
-    """Entry point -> rule name of the PyTorch fallbacks taken in this process (the latest rule of each)."""
-    return dict(_fallbacks)
+def fallbacks_taken(reset: bool = False) -> dict[str, str]:
+    """Entry point -> rule name of the PyTorch fallbacks taken in this process (the latest rule of each).
+
+    ``reset=True`` also forgets them, so the next call reports only what was taken after this one
+    (the benchmarks mark each record this way). The log lines stay once per process.
+    """
+    taken = dict(_fallbacks)
+    if reset:
+        _fallbacks.clear()
+    return taken
 
 
 @contextlib.contextmanager

@@ -27,14 +27,19 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_tour(args) -> int:
-    from .tour import run_tour
+    from .tour import TourError, repeat_report, repeat_tour, run_tour
 
-    out = run_tour(
-        notebooks_dir=Path(args.notebooks) if args.notebooks else None,
-        out_dir=Path(args.out),
-        only=args.only,
-        timeout=args.timeout,
-    )
+    notebooks = Path(args.notebooks) if args.notebooks else None
+    try:
+        if args.repeat:
+            tours = repeat_tour(args.repeat, notebooks_dir=notebooks, only=args.only, timeout=args.timeout,
+                                sliced_poll=not args.stock_client)
+            print(repeat_report(tours))
+            return 0
+        out = run_tour(notebooks_dir=notebooks, out_dir=Path(args.out), only=args.only, timeout=args.timeout)
+    except TourError as e:
+        print(f"tour failed: {e}", file=sys.stderr)
+        return 1
     print(f"tour written to {out.resolve()} (open index.html)")
     return 0
 
@@ -58,11 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print as JSON")
     p.set_defaults(func=_cmd_info)
 
+    from .tour import CELL_TIMEOUT_S
+
     p = sub.add_parser("tour", help="execute every notebook headless; write HTML and PNG figures")
     p.add_argument("--out", default="mm3lab-tour", help="output folder (default: ./mm3lab-tour)")
     p.add_argument("--notebooks", default=None, help="notebook folder (default: the checkout's notebooks/)")
     p.add_argument("--only", nargs="*", default=None, help="run only notebooks whose name contains one of these")
-    p.add_argument("--timeout", type=int, default=900, help="seconds allowed per cell")
+    p.add_argument("--timeout", type=int, default=CELL_TIMEOUT_S,
+                   help=f"seconds allowed per cell; past it the tour fails (default {CELL_TIMEOUT_S})")
+    p.add_argument("--repeat", type=int, default=0, metavar="N",
+                   help="stress run: execute the notebooks N times (no HTML) and print per-notebook "
+                        "min/median/max seconds and the longest cell")
+    p.add_argument("--stock-client", action="store_true",
+                   help="with --repeat: use nbclient's stock kernel client (to compare; it can miss a reply "
+                        "until the cell timeout)")
     p.set_defaults(func=_cmd_tour)
 
     p = sub.add_parser("lab", help="open JupyterLab on the notebooks")

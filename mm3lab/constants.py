@@ -19,6 +19,9 @@ PAGE16_SIDES_PER_BLOCK = 2
 DEFAULT_TOPK = 16
 """Blocks selected per (query token, KV head) in MiniMax-M3."""
 
+RAW_SCORE_LIMIT = 1e28
+"""Raw block scores are clamped to ``[-RAW_SCORE_LIMIT, RAW_SCORE_LIMIT]`` before forcing (``+inf`` counts as 1e28)."""
+
 INIT_SCORE = 1e30
 """Score given to a forced init block (``b < init_blocks``)."""
 

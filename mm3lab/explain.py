@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ._checks import check_block_page_stride, check_int
 from .block_table import BLOCK_PAGE_STRIDES, build_sparse_block_table_decode
 from .block_table.reference import attended_ranges, decode_positions, plan_sparse_row
 from .constants import PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
@@ -27,11 +28,28 @@ def _span(first: int, last: int) -> str:
     return f"{first}..{last}"
 
 
+MAX_EXPLAIN_ROWS = 1024
+"""Most decode rows (and selected blocks per row) one explanation prints."""
+I64_MAX = 2**63 - 1
+
+
+def _int64_list(name: str, values) -> list[int]:
+    """Python ints (not bools or floats) that fit int64."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name}: expected a list of ints, got {type(values).__name__}")
+    if len(values) > MAX_EXPLAIN_ROWS:
+        raise ValueError(f"{name}: at most {MAX_EXPLAIN_ROWS} entries, got {len(values)}")
+    return [check_int(f"{name}[{i}]", v, minimum=-I64_MAX - 1, maximum=I64_MAX) for i, v in enumerate(values)]
+
+
 def _selection_rows(topk, rows: int) -> list[list[int]]:
-    topk = [list(r) for r in topk] if topk and isinstance(topk[0], (list, tuple)) else [list(topk)] * rows
+    nested = isinstance(topk, Sequence) and len(topk) and isinstance(topk[0], Sequence)
+    topk = [_int64_list("topk", r) for r in topk] if nested else [_int64_list("topk", topk)] * rows
     if len(topk) != rows:
         raise ValueError(f"topk: expected one selection or {rows} (one per decode row), got {len(topk)}")
-    return [[int(b) for b in r] for r in topk]
+    if any(len(r) != len(topk[0]) for r in topk) or not topk[0]:
+        raise ValueError("topk: every row needs the same number (at least one) of selected blocks")
+    return topk
 
 
 def _row_text(blk: list[int], bt_row: list[int], p: int, seq_len: int, i: int, dql: int, block_page_stride: int,
@@ -98,8 +116,13 @@ def explain_sparse_block_table(
         ValueError: what :func:`mm3lab.build_sparse_block_table_decode` raises (a block id
             past the block table, a ``seq_len`` it cannot hold, ...).
     """
-    rows = _selection_rows(topk, decode_query_len)
-    bt_row = [int(b) for b in block_table_row]
+    check_block_page_stride(block_page_stride)
+    dql = check_int("decode_query_len", decode_query_len, minimum=1, maximum=MAX_EXPLAIN_ROWS)
+    check_int("seq_len", seq_len, minimum=0, maximum=I64_MAX)
+    rows = _selection_rows(topk, dql)
+    bt_row = _int64_list("block_table_row", block_table_row)
+    if not bt_row:
+        raise ValueError("block_table_row: expected at least one block")
     sbt, ctx = build_sparse_block_table_decode(
         torch.tensor([rows], dtype=torch.int64), torch.tensor([bt_row], dtype=torch.int64).reshape(1, len(bt_row)),
         torch.tensor([int(seq_len)]), decode_query_len, block_page_stride,

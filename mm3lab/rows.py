@@ -3,11 +3,17 @@
 Decode rows: row ``n = r * dql + i`` is query ``i`` of request ``r``, at position
 ``p = seq_lens[r] - dql + i``. Prefill rows carry their own ``query_req_id[n]`` and
 ``query_abs_pos[n]``. For both, a negative ``p`` is a padded row, and a request id
-outside ``[0, B)`` makes the row padded too.
+outside ``[0, B)`` makes the row padded too. A live row's page-128 slot is
+``block_table[r, p // 128] * 128 + p % 128`` (SPEC 2.1).
 
-:func:`decode_rows` is the rule on the host (PyTorch), :func:`row_request_position`
-the same rule inside a Triton kernel; the kernels, checks and references all use one
-of the two.
+* :func:`decode_rows`: the rule on the host (PyTorch); :func:`decode_query_rows` checks
+  its arguments and returns the int32 rows the prefill entry points take;
+* :func:`row_request_position`: the same rule inside a Triton kernel;
+* :func:`rows_and_slots`: rows and slots of one MSA step in a single launch, into
+  caller-owned buffers (nothing allocated, so a CUDA graph can capture it); the values of
+  :func:`decode_query_rows` and :func:`mm3lab.index_cache.token_slots`.
+
+Kernels, checks and references all use one of these.
 """
 
 from __future__ import annotations
@@ -16,9 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
+from . import backend
 from ._checks import check_index, check_int
+from .constants import SPARSE_BLOCK_SIZE
 
-__all__ = ["decode_rows", "decode_query_rows", "row_request_position"]
+__all__ = ["decode_query_rows", "decode_rows", "row_request_position", "rows_and_slots"]
+
+_BLOCK = 128
 
 
 def decode_rows(seq_lens: torch.Tensor, decode_query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +59,8 @@ def row_request_position(n, live, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, 
 
     ``PREFILL``: ``req_ptr`` / ``pos_ptr`` are ``query_req_id`` / ``query_abs_pos``; else ``req_ptr`` is
     ``seq_lens`` and ``DQL`` the decode query length (``pos_ptr`` unused). A request id outside
-    ``[0, B)`` gives ``p = -1`` and request 0 (a row that reads nothing).
+    ``[0, B)`` gives ``p = -1`` and request 0 (a row that reads nothing). A decode ``p`` below ``-1``
+    is returned as it is (negative: padded).
     """
     if PREFILL:
         req = tl.load(req_ptr + n * stride_r, mask=live, other=-1).to(tl.int64)
@@ -61,3 +72,73 @@ def row_request_position(n, live, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, 
     p = tl.where(live & in_range, p, -1)
     req = tl.where(in_range, req, 0)
     return req, p
+
+
+@triton.jit
+def _rows_slots(
+    seq_lens_ptr, bt_ptr, stride_bb, stride_bm,
+    req_ptr, stride_r, pos_ptr, stride_p, slot_ptr,
+    N, B, M, DQL,
+    PREFILL: tl.constexpr, BLOCK: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    if PREFILL:
+        r, p = row_request_position(offs, ok, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, True)
+    else:
+        r, p = row_request_position(offs, ok, seq_lens_ptr, 1, pos_ptr, stride_p, B, DQL, False)
+        p = tl.where(p < 0, -1, p)
+        tl.store(req_ptr + offs * stride_r, r.to(req_ptr.dtype.element_ty), mask=ok)
+        tl.store(pos_ptr + offs * stride_p, p.to(pos_ptr.dtype.element_ty), mask=ok)
+    pc = tl.where(p < 0, 0, p)
+    logical = pc // SPARSE_BLOCK
+    live = ok & (p >= 0) & (logical < M)
+    phys = tl.load(bt_ptr + r * stride_bb + tl.where(live, logical, 0) * stride_bm, mask=live, other=0).to(tl.int64)
+    slot = tl.where(live, phys * SPARSE_BLOCK + pc % SPARSE_BLOCK, -1)
+    tl.store(slot_ptr + offs, slot, mask=ok)
+
+
+def _rows_slots_torch(seq_lens, block_table, req, pos, slots, dql, prefill) -> None:
+    if not prefill:
+        r, p = decode_rows(seq_lens, dql)
+        req.copy_(r)
+        pos.copy_(p.clamp(min=-1))
+    b, m = block_table.shape
+    r, p = req.long(), pos.long()
+    logical = p.clamp(min=0) // SPARSE_BLOCK_SIZE
+    live = (p >= 0) & (r >= 0) & (r < b) & (logical < m)
+    if block_table.numel() == 0:
+        slots.fill_(-1)
+        return
+    phys = block_table.long()[torch.where(live, r, 0), torch.where(live, logical, 0)]
+    slots.copy_(torch.where(live, phys * SPARSE_BLOCK_SIZE + p.clamp(min=0) % SPARSE_BLOCK_SIZE, -1))
+
+
+def rows_and_slots(
+    block_table: torch.Tensor,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor | None = None,
+    decode_query_len: int = 1,
+) -> None:
+    """Fill ``slots [N]`` int64 (and, for decode, ``req`` / ``pos [N]``) in one launch.
+
+    Decode: pass ``seq_lens [B]``; ``req`` and ``pos`` are written. Prefill: ``seq_lens=None``;
+    ``req`` and ``pos`` are read. ``slots`` must be int64 and contiguous; ``req`` / ``pos`` may have
+    any stride. Arguments are validated by the callers (the MSA layer and plans); nothing is checked here.
+    """
+    n = slots.shape[0]
+    if n == 0:
+        return
+    prefill = seq_lens is None
+    if not backend.use_kernel(block_table, req, pos, slots) or block_table.numel() == 0:
+        _rows_slots_torch(seq_lens, block_table, req, pos, slots, decode_query_len, prefill)
+        return
+    b, m = block_table.shape
+    _rows_slots[(triton.cdiv(n, _BLOCK),)](
+        req if prefill else seq_lens, block_table, block_table.stride(0), block_table.stride(1),
+        req, req.stride(0), pos, pos.stride(0), slots, n, b, m, decode_query_len,
+        PREFILL=prefill, BLOCK=_BLOCK, SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
+    )

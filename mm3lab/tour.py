@@ -6,6 +6,16 @@ Output layout (``out_dir``)::
     01_block_selection.html         the executed notebook
     01_block_selection/figure-03-1.png   every PNG output: cell 3, first image
     ...
+
+Waiting for the kernel. The client waits on its ZeroMQ sockets through asyncio, which
+wakes on an edge-triggered file descriptor. A send on a socket (the client sends widget
+state back on the shell socket while a widget cell runs) can consume the wake-up of a
+reply that arrived at the same moment; the reply then sits unread in the socket until the
+wait times out, and the cell costs its whole timeout although the kernel answered at
+once. The tour's client therefore waits in slices of :data:`POLL_SLICE_S`: the end of
+every slice re-reads the socket's state, so a missed wake-up costs one slice. Every cell
+also has a timeout (:data:`CELL_TIMEOUT_S`, larger than the slowest cell), and a timeout
+stops the tour with the notebook, the cell and what to do (:class:`TourError`).
 """
 
 from __future__ import annotations
@@ -13,9 +23,29 @@ from __future__ import annotations
 import base64
 import html
 import os
+import statistics
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from queue import Empty
+
+from jupyter_client.asynchronous import AsyncKernelClient
+from jupyter_client.channels import AsyncZMQSocketChannel
+from jupyter_client.manager import AsyncKernelManager
+from traitlets import DottedObjectName, Type
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
+
+CELL_TIMEOUT_S = 120
+"""Seconds a cell may run before the tour stops; the slowest cell takes well under a minute."""
+IOPUB_TIMEOUT_S = 10
+"""Seconds to wait for a cell's last output after its reply (the kernel sends them first)."""
+POLL_SLICE_S = 0.5
+"""Longest wait on a socket before its state is read again (the cost of a missed wake-up)."""
+
+
+class TourError(RuntimeError):
+    """A notebook of the tour failed or timed out; the message names the notebook and cell."""
 
 
 def find_notebooks_dir() -> Path:
@@ -30,6 +60,109 @@ def find_notebooks_dir() -> Path:
     )
 
 
+# --- a kernel client that cannot lose a reply --------------------------------------------------
+
+
+class SlicedPollChannel(AsyncZMQSocketChannel):
+    """A channel whose ``get_msg`` waits in slices and re-reads the socket after each.
+
+    ``late_wakeups`` counts the messages found only when a slice ended: each one is a
+    wake-up the event loop missed (one slice lost instead of the whole timeout).
+    """
+
+    late_wakeups = 0
+
+    async def get_msg(self, timeout: float | None = None) -> dict:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = POLL_SLICE_S if deadline is None else min(POLL_SLICE_S, deadline - time.monotonic())
+            if left <= 0:
+                raise Empty
+            start = time.monotonic()
+            if await self.socket.poll(max(1, int(left * 1000))):
+                if time.monotonic() - start >= left:
+                    type(self).late_wakeups += 1
+                return await self._recv()
+
+
+class TourKernelClient(AsyncKernelClient):
+    """The asynchronous kernel client with :class:`SlicedPollChannel` for shell, IOPub and control."""
+
+    shell_channel_class = Type(SlicedPollChannel)
+    iopub_channel_class = Type(SlicedPollChannel)
+    control_channel_class = Type(SlicedPollChannel)
+
+
+class TourKernelManager(AsyncKernelManager):
+    """The asynchronous kernel manager whose clients are :class:`TourKernelClient`."""
+
+    client_class = DottedObjectName("mm3lab.tour.TourKernelClient")
+
+
+# --- executing one notebook ------------------------------------------------------------------
+
+
+@dataclass
+class NotebookRun:
+    """One notebook's execution: wall time (kernel start to shutdown) and each code cell's time."""
+
+    name: str
+    seconds: float
+    cell_seconds: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def slowest_cell(self) -> tuple[int, float]:
+        return max(self.cell_seconds.items(), key=lambda kv: kv[1], default=(-1, 0.0))
+
+
+def _what_to_do(path: Path, timeout: int) -> str:
+    return (f"run it again with `python3 run.py tour --only {path.stem}`; if that cell needs longer on "
+            f"this machine, pass --timeout SECONDS (now {timeout}); if it recurs, report the output of "
+            f"`python3 run.py tour --repeat 5 --only {path.stem}`")
+
+
+def execute_notebook(path: Path, timeout: int = CELL_TIMEOUT_S, sliced_poll: bool = True):
+    """Execute the notebook at ``path`` in its folder; return ``(notebook, NotebookRun)``.
+
+    Raises :class:`TourError` naming the notebook and cell when a cell times out, raises
+    or the kernel dies. ``sliced_poll=False`` uses the stock client (for comparison only).
+    """
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    nb = nbformat.read(path, as_version=4)
+    run = NotebookRun(path.stem, 0.0)
+    current = {"cell": None, "start": 0.0}
+
+    def on_start(cell, cell_index):
+        current["cell"], current["start"] = cell_index, time.monotonic()
+
+    def on_executed(cell, cell_index, execute_reply):
+        run.cell_seconds[cell_index] = time.monotonic() - current["start"]
+
+    extra = {"kernel_manager_class": TourKernelManager} if sliced_poll else {}
+    client = NotebookClient(
+        nb, timeout=timeout, iopub_timeout=IOPUB_TIMEOUT_S, raise_on_iopub_timeout=True,
+        kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
+        on_cell_start=on_start, on_cell_executed=on_executed, **extra,
+    )
+    t0 = time.monotonic()
+    try:
+        client.execute()
+    except CellExecutionError as e:
+        raise TourError(f"{path.name}: cell {current['cell']} raised an error:\n{e}") from None
+    except (CellTimeoutError, DeadKernelError, AssertionError) as e:
+        # AssertionError: nbclient's timeout while waiting for the kernel's first reply
+        where = "while starting the kernel" if current["cell"] is None else f"at cell {current['cell']}"
+        waited = "" if current["cell"] is None else f" (waited {time.monotonic() - current['start']:.0f} s)"
+        reason = "the kernel died" if isinstance(e, DeadKernelError) else f"no reply within {timeout} s"
+        raise TourError(f"{path.name}: stopped {where}{waited}: {reason} ({type(e).__name__}). "
+                        f"{_what_to_do(path, timeout)}") from None
+    run.seconds = time.monotonic() - t0
+    return nb, run
+
+
 def _figures(nb) -> list[tuple[str, bytes]]:
     figures = []
     for i, cell in enumerate(nb.cells):
@@ -42,37 +175,55 @@ def _figures(nb) -> list[tuple[str, bytes]]:
     return figures
 
 
-def run_tour(
-    notebooks_dir: Path | None = None,
-    out_dir: Path = Path("mm3lab-tour"),
-    only: list[str] | None = None,
-    timeout: int = 900,
-    progress: bool = True,
-) -> Path:
-    """Execute the notebooks on the default backend; return the output folder."""
-    import nbformat
-    from nbclient import NotebookClient
-    from nbconvert import HTMLExporter
-    from tqdm.auto import tqdm
-
+def _select(notebooks_dir: Path | None, only: list[str] | None) -> tuple[Path, list[Path]]:
     nb_dir = notebooks_dir or find_notebooks_dir()
     paths = sorted(nb_dir.glob("*.ipynb"))
     if only:
         paths = [p for p in paths if any(s in p.name for s in only)]
     if not paths:
         raise FileNotFoundError(f"no notebooks to run in {nb_dir}")
+    return nb_dir, paths
+
+
+class _inline_backend:
+    """Figures as inline PNG in the kernels (they inherit this environment)."""
+
+    def __enter__(self):
+        self.backup = os.environ.get("MPLBACKEND")
+        os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+
+    def __exit__(self, *exc):
+        if self.backup is None:
+            os.environ.pop("MPLBACKEND", None)
+
+
+def run_tour(
+    notebooks_dir: Path | None = None,
+    out_dir: Path = Path("mm3lab-tour"),
+    only: list[str] | None = None,
+    timeout: int = CELL_TIMEOUT_S,
+    progress: bool = True,
+    runs: list[NotebookRun] | None = None,
+) -> Path:
+    """Execute the notebooks on the default backend; return the output folder.
+
+    ``timeout`` is the limit per cell in seconds; ``runs``, if given, receives one
+    :class:`NotebookRun` per notebook.
+    """
+    from nbconvert import HTMLExporter
+    from tqdm.auto import tqdm
+
+    _, paths = _select(notebooks_dir, only)
     out_dir.mkdir(parents=True, exist_ok=True)
     exporter = HTMLExporter()
     rows = []
-    env_backup = os.environ.get("MPLBACKEND")
-    os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    try:
+    with _inline_backend():
         bar = tqdm(paths, desc="tour", unit="notebook", disable=not progress)
         for path in bar:
             bar.set_postfix_str(path.name)
-            nb = nbformat.read(path, as_version=4)
-            resources = {"metadata": {"path": str(nb_dir)}}
-            NotebookClient(nb, timeout=timeout, kernel_name="python3", resources=resources).execute()
+            nb, run = execute_notebook(path, timeout=timeout)
+            if runs is not None:
+                runs.append(run)
             body, _ = exporter.from_notebook_node(nb)
             (out_dir / f"{path.stem}.html").write_text(body, encoding="utf-8")
             figs = _figures(nb)
@@ -82,9 +233,6 @@ def run_tour(
                 for name, data in figs:
                     (fig_dir / name).write_bytes(data)
             rows.append((path.stem, len(figs)))
-    finally:
-        if env_backup is None:
-            os.environ.pop("MPLBACKEND", None)
     items = "\n".join(
         f'<li><a href="{html.escape(stem)}.html">{html.escape(stem)}</a> ({n} figures)</li>' for stem, n in rows
     )
@@ -92,3 +240,47 @@ def run_tour(
         f"<!doctype html><title>mm3lab tour</title><h1>mm3lab tour</h1><ul>\n{items}\n</ul>\n", encoding="utf-8"
     )
     return out_dir
+
+
+# --- the stress run ---------------------------------------------------------------------------
+
+
+def repeat_tour(repeat: int, notebooks_dir: Path | None = None, only: list[str] | None = None,
+                timeout: int = CELL_TIMEOUT_S, sliced_poll: bool = True, echo=print) -> list[list[NotebookRun]]:
+    """Execute the notebooks ``repeat`` times (no HTML); echo one line per tour; return the runs."""
+    _, paths = _select(notebooks_dir, only)
+    tours = []
+    with _inline_backend():
+        for i in range(repeat):
+            t0 = time.monotonic()
+            runs = [execute_notebook(p, timeout=timeout, sliced_poll=sliced_poll)[1] for p in paths]
+            tours.append(runs)
+            name, (cell, s) = max(((r.name, r.slowest_cell) for r in runs), key=lambda x: x[1][1])
+            echo(f"tour {i + 1}/{repeat}: {time.monotonic() - t0:.1f} s; longest cell {s:.1f} s ({name} cell {cell}); "
+                 f"late wake-ups so far {SlicedPollChannel.late_wakeups}; load {_load()}")
+    return tours
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:  # pragma: no cover - not on every platform
+        return "n/a"
+
+
+def repeat_report(tours: list[list[NotebookRun]]) -> str:
+    """Per notebook min / median / max seconds, tour totals, and the longest single cell."""
+    names = [r.name for r in tours[0]]
+    lines = [f"{len(tours)} tours; seconds per notebook (kernel start to shutdown)",
+             f"{'notebook':28s} {'min':>7} {'median':>7} {'max':>7}  longest cell"]
+    for k, name in enumerate(names):
+        secs = [t[k].seconds for t in tours]
+        cell, s = max((t[k].slowest_cell for t in tours), key=lambda x: x[1])
+        lines.append(f"{name:28s} {min(secs):7.1f} {statistics.median(secs):7.1f} {max(secs):7.1f}  "
+                     f"{s:.1f} s (cell {cell})")
+    totals = [sum(r.seconds for r in t) for t in tours]
+    lines.append(f"{'whole tour':28s} {min(totals):7.1f} {statistics.median(totals):7.1f} {max(totals):7.1f}")
+    worst = max((r.slowest_cell[1], r.name, r.slowest_cell[0]) for t in tours for r in t)
+    lines.append(f"longest single cell wait: {worst[0]:.1f} s ({worst[1]} cell {worst[2]}); "
+                 f"late wake-ups caught by the sliced poll: {SlicedPollChannel.late_wakeups}")
+    return "\n".join(lines)

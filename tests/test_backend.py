@@ -213,3 +213,43 @@ def test_fallback_rules_are_listed_by_info():
         assert line.startswith(name + ": ")
     with pytest.raises(ValueError, match="fallback rule"):
         backend.fallback_taken("sparse_attention", "no-such-rule")
+
+
+def test_fallbacks_taken_reset_reports_only_what_came_after():
+    if not backend.INTERPRETER:
+        pytest.skip("the bfloat16 rule applies to the interpreter only")
+    scores = torch.randn(2, 20).to(torch.bfloat16)
+    mm3lab.topk_blocks(scores, 3)
+    assert backend.fallbacks_taken(reset=True)["topk_blocks"] == "bf16-interpreter"
+    assert backend.fallbacks_taken() == {}
+    mm3lab.topk_blocks(scores.float(), 3)  # the kernel: nothing taken
+    assert backend.fallbacks_taken() == {}
+    mm3lab.topk_blocks(scores, 3)
+    assert backend.fallbacks_taken() == {"topk_blocks": "bf16-interpreter"}
+
+
+def test_benchmark_records_name_the_fallbacks_since_the_last_record():
+    if not backend.INTERPRETER:
+        pytest.skip("the bfloat16 rule applies to the interpreter only")
+    from benchmarks.common import fallback_reason
+
+    fallback_reason()  # forget what earlier tests took
+    assert fallback_reason() is None
+    mm3lab.topk_blocks(torch.randn(2, 20).to(torch.bfloat16), 3)
+    assert fallback_reason() == "topk_blocks: bf16-interpreter"
+    assert fallback_reason() is None
+
+
+def test_a_plan_on_the_pytorch_path_names_its_rule():
+    if not backend.INTERPRETER:
+        pytest.skip("the bfloat16 rule applies to the interpreter only")
+    from mm3lab.msa import synthetic_layer
+
+    layer = synthetic_layer(200, dtype=torch.bfloat16)
+    with backend.record_fallbacks() as taken:
+        plan = mm3lab.MSADecodePlan(
+            layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, batch=1, max_blocks=4,
+            num_q_heads=layer.q.shape[1],
+        )
+    assert not plan.uses_kernels
+    assert taken == {"MSADecodePlan": "bf16-interpreter"}

@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
-from mm3lab import cli
-from mm3lab.tour import run_tour
+pytest.importorskip("jupyter_client")  # the tour's kernel client (a GPU-only environment may lack it)
+
+from mm3lab import cli  # noqa: E402
+from mm3lab.tour import run_tour  # noqa: E402
 
 
 def test_info_json(capsys):

@@ -34,7 +34,8 @@ def _environment_pip_section() -> list[str]:
 
 def test_environment_yml_lists_the_pyproject_dependencies():
     project = _pyproject()["project"]
-    wanted = project["dependencies"] + project["optional-dependencies"]["test"]
+    extras = project["optional-dependencies"]
+    wanted = project["dependencies"] + extras["test"] + extras["browser"]
     listed = [d for d in _environment_pip_section() if not d.startswith("-e")]
     assert sorted(listed) == sorted(wanted), "environment.yml's pip section and pyproject.toml disagree"
     assert "-e ." in _environment_pip_section(), "environment.yml must install the package itself"
@@ -59,7 +60,13 @@ def test_ci_runs_the_readme_test_command():
     assert command in readme and command in ci
 
 
+def test_ci_runs_the_browser_check_after_the_tests():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python3 run.py test-browser" in (ROOT / "README.md").read_text()
+    assert ci.index("python3 run.py test\n") < ci.index("python3 run.py test-browser")
+
+
 def test_run_py_help_lists_every_job():
     out = subprocess.run([sys.executable, str(ROOT / "run.py"), "help"], capture_output=True, text=True, check=True)
-    for job in ("tour", "test", "lab", "info", "test-gpu"):
+    for job in ("tour", "test", "lab", "info", "test-gpu", "test-browser"):
         assert f"run.py {job}" in out.stdout

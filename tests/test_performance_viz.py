@@ -9,7 +9,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from mm3lab.viz import performance  # noqa: E402
+from mm3lab.viz import performance
 
 
 def _record(name, shape, ms, baseline=None, baseline_ms=None, tbps=None):
@@ -112,3 +112,102 @@ def test_results_path_argument_env_and_checkout(tmp_path, monkeypatch):
     (folder / "gpu.json").unlink()
     with pytest.raises(FileNotFoundError, match="no benchmark results"):
         performance.load_results()
+
+
+# --- records with a mode (the benchmarks' record schema) ----------------------------------------
+
+
+def _rec(name, shape, ms, mode, baseline=None, baseline_ms=None, tbps=None, **extra):
+    r = _record(name, shape, ms, baseline, baseline_ms, tbps)
+    r.update({"mode": mode, "cv": 0.02, "samples": 20, "validation": None, "fallback": None, **extra})
+    return r
+
+
+def _stage(stage, us, mode="graph", batch=16, context=131072, tbps=2.0):
+    return _rec("msa_decode_stage", {"batch": batch, "context": context, "stage": stage}, us * 1e-3, mode, tbps=tbps)
+
+
+SCHEMA = {
+    "meta": {"gpu": "GPU", "torch": "t", "triton": "tr", "copy_TBps": 4.0, "method": "synthetic"},
+    "records": [
+        _stage("insert", 5), _stage("indexer_scores", 100), _stage("topk", 40), _stage("block_table", 5),
+        _stage("attention", 150), _stage("topk_block_table", 42),
+        _rec("msa_decode", {"batch": 16, "context": 131072}, 0.320, "graph", "dense_sdpa", 3.2),
+        _rec("msa_decode", {"batch": 16, "context": 131072}, 0.780, "eager", "dense_sdpa", 3.2, validation=True),
+        _rec("msa_decode", {"batch": 16, "context": 131072}, 0.700, "eager", "dense_sdpa", 3.2, validation=False),
+        _rec("msa_decode", {"batch": 16, "context": 32768}, 0.200, "graph", "dense_sdpa", 0.8),
+        _rec("msa_decode", {"batch": 1, "context": 32768}, 0.050, "graph", "dense_sdpa", 0.06),
+        _rec("msa_decode", {"batch": 1, "context": 131072}, 0.060, "graph", "dense_sdpa", 0.2),
+        _rec("msa_decode_grid", {"batch": 1, "context": 32768, "index_dtype": "bf16", "kv_dtype": "fp8", "q_len": 1},
+             0.05, "graph", "dense_sdpa", 0.1),
+        _rec("msa_decode_grid", {"batch": 16, "context": 131072, "index_dtype": "bf16", "kv_dtype": "fp8",
+                                 "q_len": 1}, 0.2, "graph", "dense_sdpa", 2.0),
+        _rec("attention_prefill", {"batch": 1, "context": 32768, "selection": "tile"}, 2.0, "eager", "dense_sdpa",
+             1.0, attended_TFLOPs=100.0, flops_ratio=0.4),
+    ],
+}
+
+
+def test_every_time_carries_its_mode():
+    assert performance.timed(SCHEMA["records"][0]) == "5.0 us (graph)"
+    assert performance.mode_of({"name": "old"}) == "unknown"  # records written before the schema had a mode
+    table = performance.mode_table(SCHEMA)
+    assert all(len(line) <= 100 for line in table.splitlines()[1:])
+    assert "graph" in table and "eager" in table and "ctx=128K" in table
+
+
+def test_stage_breakdown_accounts_for_the_step():
+    b = performance.stage_breakdown(SCHEMA, 16, 131072)
+    assert [s for s, _ in b["stages"]] == ["insert", "indexer_scores", "topk", "block_table", "attention"]
+    assert abs(b["sum_ms"] - 0.300) < 1e-9 and b["fused"]["ms"] == 0.042
+    text = performance.breakdown_text(SCHEMA, 16, 131072)
+    assert "sum of stages" in text and "300.0 us (graph)" in text
+    assert "host overhead: eager - graph = 460.0 us" in text  # 780 - 320, the validation-on eager call
+    assert performance.stage_breakdown(SCHEMA, 1, 1) is None
+    assert "no msa_decode_stage records" in performance.breakdown_text(SCHEMA, 1, 1)
+    fig = performance.plot_stage_breakdown(SCHEMA)
+    assert len(fig.axes[0].patches) == 5
+    fig = performance.plot_stage_roofline(SCHEMA)
+    assert len(fig.axes[0].patches) == 5
+
+
+def test_host_overhead_and_speedup_and_grid():
+    rows = performance.host_device_rows(SCHEMA)
+    step = [r for r in rows if r["name"] == "msa_decode" and r["shape"]["context"] == 131072 and r["shape"]["batch"] == 16]
+    assert step and abs(step[0]["host_ms"] - 0.380) < 1e-9  # validation off preferred: 700 - 320
+    assert performance.plot_host_device(SCHEMA) is not None
+    series = performance.speedup_series(SCHEMA)
+    assert series[(16, "graph")] == [(32768, 4.0), (131072, 10.0)]
+    assert performance.plot_speedup_vs_context(SCHEMA) is not None
+    fig = performance.plot_grid_heatmap(SCHEMA)
+    assert "10.0x" in [t.get_text() for t in fig.axes[0].texts]
+    assert "tile" in performance.prefill_text(SCHEMA) and "(eager)" in performance.prefill_text(SCHEMA)
+    assert "checks on" in performance.validation_text(SCHEMA)
+
+
+def test_absent_record_families_degrade_gracefully():
+    empty = {"meta": {"gpu": "GPU", "copy_TBps": 4.0}, "records": []}
+    for plot in (performance.plot_stage_breakdown, performance.plot_stage_roofline, performance.plot_host_device,
+                 performance.plot_speedup_vs_context, performance.plot_grid_heatmap):
+        assert plot(empty) is None
+    assert performance.prefill_text(empty).startswith("no ")
+    assert performance.validation_text(empty).startswith("no ")
+    assert performance.stage_shapes(empty) == []
+
+
+def test_real_size_stages():
+    rows = performance.real_size_stages(1 << 20)
+    names = [s for s, _, _ in rows]
+    assert names == list(performance.STAGES)
+    att = {s: b for s, b, _ in rows}
+    assert att["indexer_scores"] > att["attention"]  # at 1M the indexer's read dominates
+    assert "total" in performance.real_size_text()
+
+
+def test_real_size_pipeline_and_bytes_per_token():
+    from mm3lab.viz import index_cache
+
+    fig = performance.plot_real_size_stages()
+    assert len(fig.axes[0].patches) == 3 * len(performance.STAGES)
+    fig = index_cache.plot_bytes_per_token()
+    assert "2048 B of K/V, 256 B of index key (12.5%)" in fig.axes[0].get_title(loc="left")

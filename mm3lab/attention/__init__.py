@@ -9,7 +9,23 @@ sparse block table puts the causal tail block last (SPEC section 3).
 
 ``reference.py`` holds the readable page-walking reference and the
 dense-masked reference (whole sequence, mask "causal and block selected");
-``kernel.py`` the GQA-packed Triton kernel with its split-over-pages merge.
+``kernel.py`` the GQA-packed per-row Triton kernel with its split-over-pages merge;
+``tiled.py`` the tiled prefill kernel, whose programs take a tile of consecutive
+rows and walk the union of their pages once.
+
+Which kernel runs (``algorithm=None``), a rule measured on an H200 at the model's
+shapes (64 query / 4 KV heads, head dim 128, top-k 16, bf16):
+
+* fewer than :data:`TILED_MIN_ROWS` rows (decode, speculative decode up to
+  batch 64 x 8 draft tokens): the per-row kernel. The tiled kernel was slower
+  at every decode and speculative-decode shape measured (batch 1 / 16 / 64, 1 to
+  8 query rows per request, 32K context: 0.5 ms and up against 0.08 to 0.5 ms),
+  its per-call pre-pass alone costs more than a decode step;
+* from :data:`TILED_MIN_ROWS` rows up (prefill chunks): the tiled kernel when
+  consecutive rows share at least :data:`TILED_MIN_SHARE` of their blocks
+  (:func:`tiled.neighbour_share`), else the per-row kernel. Reading that share
+  back is one small device-to-host copy per call, so this automatic choice is
+  not CUDA-graph capturable; ``algorithm="rows"`` or ``"tiled"`` skips it.
 """
 
 from __future__ import annotations
@@ -21,7 +37,30 @@ from . import reference
 from .checks import check_sparse_attention
 from .reference import dense_masked_attention
 
-__all__ = ["dense_masked_attention", "sparse_attention"]
+__all__ = ["ALGORITHMS", "TILED_MIN_ROWS", "TILED_MIN_SHARE", "choose_algorithm", "dense_masked_attention", "sparse_attention"]
+
+ALGORITHMS = ("rows", "tiled")
+TILED_MIN_ROWS = 1024
+"""Calls with fewer rows (query tokens) always run the per-row kernel by default."""
+TILED_MIN_SHARE = 0.5
+"""From ``TILED_MIN_ROWS`` rows up, the tiled kernel runs by default when neighbouring rows share this much."""
+
+
+def choose_algorithm(n_rows: int, algorithm: str | None = None, share=None) -> str:
+    """The kernel a call with ``n_rows`` rows runs: ``algorithm`` if given, else the documented rule.
+
+    ``share``: the rows' neighbour share (a float, or a callable returning it, called only
+    when the rule needs it); ``None`` counts as shared.
+    """
+    if algorithm is not None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm: expected None or one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}")
+        return algorithm
+    if n_rows < TILED_MIN_ROWS:
+        return "rows"
+    if callable(share):
+        share = share()
+    return "tiled" if share is None or share >= TILED_MIN_SHARE else "rows"
 
 
 def sparse_attention(
@@ -34,6 +73,9 @@ def sparse_attention(
     *,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    algorithm: str | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """Sparse paged attention of every (row, KV head) over its page list (SPEC section 5).
 
@@ -58,21 +100,42 @@ def sparse_attention(
         scale: softmax scale, default ``D ** -0.5``.
         return_lse: also return the natural-log log-sum-exp of the scaled scores.
         out: optional ``[N, Hq, D]`` contiguous buffer in q's dtype.
+        algorithm: ``None`` (the rule in the module docstring: per-row below
+            :data:`TILED_MIN_ROWS` rows, tiled above it when neighbouring rows share their blocks), ``"rows"`` (one program per row and KV head) or ``"tiled"`` (one
+            program per tile of consecutive rows and KV head, each union page read once per
+            tile). All give the same result to floating-point tolerance.
+        k_scale, v_scale: FP8 caches only (``PagedKVCache.k_scale`` / ``.v_scale``, ``[pages, 16, Hkv]``
+            float32). The kernel reads the FP8 K/V and dequantizes them in registers: the K
+            scale multiplies each score column (float32), each V row is scaled in float32 and
+            rounded to q's dtype for the second dot. Tolerance: :data:`mm3lab.fp8.ATTENTION_FP8_ATOL` against the
+            bf16 reference over the unquantized K/V, :data:`mm3lab.fp8.ATTENTION_FP8_DEQUANT_ATOL`
+            against the reference over the dequantized cache.
     Returns:
         ``out [N, Hq, D]`` in q's dtype, or ``(out, lse [N, Hq] float32)``.
     """
-    _, scale = check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out)
+    _, scale = check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, k_scale, v_scale)
+    if algorithm is not None:
+        choose_algorithm(q.shape[0], algorithm)  # a bad name raises on every path
     fallback = backend.bf16_interpreted(q.dtype)
     if not backend.use_kernel(q, k_cache, sparse_bt, entry_point="sparse_attention", fallback=fallback):
         return reference.sparse_attention(
-            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=return_lse, out=out
+            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=return_lse, out=out,
+            k_scale=k_scale, v_scale=v_scale,
         )
+    from . import tiled
     from .kernel import sparse_attention_kernel
 
     n, hq, d = q.shape
     if out is None:
         out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(n, hq, dtype=torch.float32, device=q.device) if return_lse else None
-    if n:
-        sparse_attention_kernel(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, lse)
+
+    def share() -> float:  # read back only when the rule needs it
+        return float(tiled.neighbour_share(sparse_bt, sparse_ctx))
+
+    fp8 = k_scale is not None  # FP8 caches: the per-row kernel (the tiled kernel reads bf16/fp16 pages)
+    if n and not fp8 and choose_algorithm(n, algorithm, share) == "tiled":
+        tiled.tiled_attention_kernel(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, lse)
+    elif n:
+        sparse_attention_kernel(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, lse, k_scale, v_scale)
     return (out, lse) if return_lse else out

@@ -14,11 +14,13 @@ from .._checks import (
     check_index,
     check_out,
     check_same_device,
+    check_scale,
     check_tensor,
     validation_enabled,
 )
 from ..constants import PAGE_SIZE, PAGES_PER_SPARSE_BLOCK
-from ..layout.views import PACKED_STRIDE, check_kv_views
+from ..fp8 import FP8_DTYPE
+from ..layout.views import PACKED_STRIDE, check_kv_scales, check_kv_views
 
 
 def readable_pages(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -36,7 +38,9 @@ def _first(mask: torch.Tensor):
     return None if idx.numel() == 0 else tuple(int(i) for i in idx[0])
 
 
-def check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out=None) -> tuple[int, float]:
+def check_sparse_attention(
+    q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out=None, k_scale=None, v_scale=None
+) -> tuple[int, float]:
     """Validate ``sparse_attention``'s arguments; return ``(block_page_stride, scale)``.
 
     Raises ``TypeError``/``ValueError`` naming the argument (and the ``(head, row)``
@@ -46,7 +50,8 @@ def check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, ou
     _, _, hkv, d = k_cache.shape
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     n, hq, dq = q.shape
-    if q.dtype != k_cache.dtype:
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)  # FP8 KV (SPEC section 9): any float q
+    if q.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE:
         raise TypeError(f"q: dtype {str(q.dtype).replace('torch.', '')} differs from k_cache's "
                         f"{str(k_cache.dtype).replace('torch.', '')}")
     if dq != d:
@@ -66,11 +71,7 @@ def check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, ou
     check_tensor("sparse_ctx", sparse_ctx, shape=(hkv, n))
     check_same_device(q=q, k_cache=k_cache, sparse_bt=sparse_bt, sparse_ctx=sparse_ctx)
     check_out("out", out, (n, hq, d), q.dtype, q.device)
-    if scale is None:
-        scale = d ** -0.5
-    elif isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
-    scale = float(scale)
+    scale = check_scale(scale, d)
 
     if validation_enabled() and n:
         width = sparse_bt.shape[2]

@@ -44,9 +44,16 @@ def _attend_step(
     num_pages, qk_scale,
     m_i, l_i, acc,  # online-softmax state: running max (base 2), running sum, unnormalized output
     stride_kp, stride_kr, stride_vp, stride_vr, stride_bw,
+    ks_head, vs_head, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
-    """One step of the online softmax over ``BLOCK_N`` tokens (``BLOCK_N / 16`` whole pages)."""
+    """One step of the online softmax over ``BLOCK_N`` tokens (``BLOCK_N / 16`` whole pages).
+
+    FP8 K/V: the e4m3 keys are widened to q's dtype (exact) and the K scale multiplies each
+    score column in float32; the values are dequantized (times their scale) in float32, then
+    rounded to q's dtype for the second dot.
+    """
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     tok = start + tl.arange(0, BLOCK_N)
@@ -56,7 +63,12 @@ def _attend_step(
     row = (tok % PAGE).to(tl.int64)
     kv_mask = ok[:, None] & d_ok[None, :]
     k = tl.load(k_head + (page * stride_kp + row * stride_kr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if FP8:
+        k = k.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
+    if FP8:
+        k_sc = tl.load(ks_head + page * stride_ksp + row * stride_ksr, mask=ok, other=0.0)
+        scores = scores * k_sc[None, :]
     scores = tl.where(ok[None, :], scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: avoid -inf - -inf
@@ -64,7 +76,12 @@ def _attend_step(
     p = tl.exp2(scores - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_head + (page * stride_vp + row * stride_vr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if FP8:
+        v_sc = tl.load(vs_head + page * stride_vsp + row * stride_vsr, mask=ok, other=0.0)
+        v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -89,6 +106,9 @@ def _sparse_attention_fwd(
     stride_on, stride_oh, stride_os,  # output strides (row, head, split); head dim contiguous
     stride_ln, stride_lh,  # lse strides (row, head); split stride 1
     group,  # query heads per KV head (a runtime value: every group size up to 16 shares one compiled kernel)
+    ks_ptr, vs_ptr,  # FP8: [pages, 16, Hkv] float32 scale views (unused otherwise)
+    stride_ksp, stride_ksr, stride_ksh,
+    stride_vsp, stride_vsr, stride_vsh,
     GROUP_PAD: tl.constexpr,  # >= 16 and a power of two (tl.dot's M)
     D: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -98,13 +118,14 @@ def _sparse_attention_fwd(
     WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
 
-    ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn).to(tl.int32)
-    ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE)
+    ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn).to(tl.int64)  # int64 ctx: clamp, never truncate
+    ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE).to(tl.int32)
     tok_lo = s * pages_per_split * PAGE
     tok_hi = tl.minimum(tok_lo + pages_per_split * PAGE, ctx)
 
@@ -125,20 +146,26 @@ def _sparse_attention_fwd(
     bt_row = bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn
     k_head = k_ptr + h.to(tl.int64) * stride_kh
     v_head = v_ptr + h.to(tl.int64) * stride_vh
+    ks_head = ks_ptr + h.to(tl.int64) * stride_ksh
+    vs_head = vs_ptr + h.to(tl.int64) * stride_vsh
 
     if INTERPRETED:  # the interpreter cannot run range() with runtime bounds; a while loop it can
         start = tok_lo
         while start < tok_hi:
             m_i, l_i, acc = _attend_step(
                 q, k_head, v_head, bt_row, start, tok_hi, num_pages, qk_scale, m_i, l_i, acc,
-                stride_kp, stride_kr, stride_vp, stride_vr, stride_bw, D, D_PAD, BLOCK_N, PAGE, DOT_PRECISION,
+                stride_kp, stride_kr, stride_vp, stride_vr, stride_bw,
+                ks_head, vs_head, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
+                D, D_PAD, BLOCK_N, PAGE, DOT_PRECISION, FP8,
             )
             start += BLOCK_N
     else:
         for start in range(tok_lo, tok_hi, BLOCK_N):
             m_i, l_i, acc = _attend_step(
                 q, k_head, v_head, bt_row, start, tok_hi, num_pages, qk_scale, m_i, l_i, acc,
-                stride_kp, stride_kr, stride_vp, stride_vr, stride_bw, D, D_PAD, BLOCK_N, PAGE, DOT_PRECISION,
+                stride_kp, stride_kr, stride_vp, stride_vr, stride_bw,
+                ks_head, vs_head, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
+                D, D_PAD, BLOCK_N, PAGE, DOT_PRECISION, FP8,
             )
 
     seen = l_i > 0
@@ -228,9 +255,19 @@ def launch_config(n_rows: int, hq: int, hkv: int, d: int, width: int, device: to
     return {"BLOCK_N": block_n, "num_splits": splits}
 
 
+def num_splits(n_rows: int, hq: int, hkv: int, d: int, width: int, device: torch.device) -> int:
+    """Splits :func:`sparse_attention_kernel` launches with its default heuristic (1: no partials)."""
+    cfg = launch_config(n_rows, hq, hkv, d, width, device)
+    pages_per_step = cfg["BLOCK_N"] // PAGE_SIZE
+    steps = max(1, math.ceil(width / pages_per_step))
+    splits = max(1, min(cfg["num_splits"], steps))
+    pages_per_split = math.ceil(steps / splits) * pages_per_step
+    return max(1, math.ceil(width / pages_per_split)) if width else 1
+
+
 def sparse_attention_kernel(
-    q, k_cache, v_cache, sparse_bt, sparse_ctx, scale: float, out, lse,
-    *, num_splits: int | None = None, block_n: int | None = None,
+    q, k_cache, v_cache, sparse_bt, sparse_ctx, scale: float, out, lse, k_scale=None, v_scale=None,
+    *, num_splits: int | None = None, block_n: int | None = None, workspace=None,
 ) -> None:
     """Launch the attention (and, with several splits, the merge). Arguments are already validated.
 
@@ -239,6 +276,8 @@ def sparse_attention_kernel(
         out: ``[N, Hq, D]`` contiguous, q's dtype (written).
         lse: ``[N, Hq]`` float32 contiguous, or ``None``.
         num_splits, block_n: override the heuristic of :func:`launch_config` (tests use this).
+        workspace: optional ``(part_o [N, Hq, S, D] float32, part_lse [N, Hq, S] float32)`` for the
+            split partials (``S`` = :func:`num_splits`), so that a plan's call allocates nothing.
     """
     n_rows, hq, d = q.shape
     hkv, _, width = sparse_bt.shape
@@ -255,9 +294,10 @@ def sparse_attention_kernel(
         GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, D_PAD=d_pad,
         BLOCK_N=block_n, PAGE=PAGE_SIZE,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRETED=backend.INTERPRETER,
+        INTERPRETED=backend.INTERPRETER, FP8=k_scale is not None,
         num_warps=4, num_stages=2,
     )
+    ks, vs = (k_scale, v_scale) if k_scale is not None else (sparse_bt, sparse_bt)  # never read without FP8
     args = (
         readable_pages(k_cache, v_cache), width, pages_per_split, scale * LOG2E,
         *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -270,15 +310,20 @@ def sparse_attention_kernel(
             q, k_cache, v_cache, sparse_bt, sparse_ctx, out, lse_arg, *args,
             out.stride(0), out.stride(1), 0,
             hq if lse is None else lse.stride(0), 1 if lse is None else lse.stride(1), group,
+            ks, vs, *ks.stride(), *vs.stride(),
             ONE_SPLIT=True, WRITE_LSE=lse is not None, **common,
         )
         return
-    part_o = torch.empty(n_rows, hq, splits, d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(n_rows, hq, splits, dtype=torch.float32, device=q.device)
+    if workspace is not None and tuple(workspace[0].shape) == (n_rows, hq, splits, d):
+        part_o, part_lse = workspace
+    else:
+        part_o = torch.empty(n_rows, hq, splits, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(n_rows, hq, splits, dtype=torch.float32, device=q.device)
     _sparse_attention_fwd[grid](
         q, k_cache, v_cache, sparse_bt, sparse_ctx, part_o, part_lse, *args,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1), group,
+        ks, vs, *ks.stride(), *vs.stride(),
         ONE_SPLIT=False, WRITE_LSE=True, **common,
     )
     _merge_splits[(n_rows, hq)](
@@ -292,4 +337,4 @@ def sparse_attention_kernel(
     )
 
 
-__all__ = ["launch_config", "sparse_attention_kernel"]
+__all__ = ["launch_config", "num_splits", "sparse_attention_kernel"]

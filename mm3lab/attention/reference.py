@@ -35,6 +35,12 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     return probs @ values.float(), lse
 
 
+def _load(cache: torch.Tensor, scale: torch.Tensor | None, page: int, rows: int, h: int) -> torch.Tensor:
+    """The first ``rows`` tokens of ``page`` for head ``h``, float32 (an FP8 value times its scale)."""
+    values = cache[page, :rows, h].float()
+    return values if scale is None else values * scale[page, :rows, h, None]
+
+
 def sparse_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -45,6 +51,8 @@ def sparse_attention(
     *,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """Single-query paged attention of every (row, KV head) over its page list.
 
@@ -67,10 +75,12 @@ def sparse_attention(
         scale: softmax scale, default ``D ** -0.5``.
         return_lse: also return the log-sum-exp of the scaled scores.
         out: optional ``[N, Hq, D]`` output buffer (q's dtype, contiguous).
+        k_scale, v_scale: FP8 caches only: ``[pages, 16, Hkv]`` float32 scales; a key / value is
+            read as ``stored * scale`` (SPEC section 9).
     Returns:
         ``out [N, Hq, D]`` in q's dtype, or ``(out, lse [N, Hq] float32)``; ``lse = -inf`` where ``ctx == 0``.
     """
-    _, scale = check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out)
+    _, scale = check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, k_scale, v_scale)
     n_rows, hq, d = q.shape
     hkv, _, width = sparse_bt.shape
     group = hq // hkv
@@ -89,10 +99,10 @@ def sparse_attention(
                 rows = min(PAGE_SIZE, ctx - slot * PAGE_SIZE)  # only the last page is partial
                 if not 0 <= page < pages_in_cache:  # never read outside the cache
                     continue
-                keys.append(k_cache[page, :rows, h])
-                values.append(v_cache[page, :rows, h])
-            k = torch.cat(keys) if keys else k_cache.new_zeros(0, d)
-            v = torch.cat(values) if values else v_cache.new_zeros(0, d)
+                keys.append(_load(k_cache, k_scale, page, rows, h))
+                values.append(_load(v_cache, v_scale, page, rows, h))
+            k = torch.cat(keys) if keys else torch.zeros(0, d, device=q.device)
+            v = torch.cat(values) if values else torch.zeros(0, d, device=q.device)
             result[n, heads], lse[n, heads] = _attend(q[n, heads], k, v, scale)
     if out is None:
         out = result.to(q.dtype)

@@ -80,7 +80,9 @@ def emit_sparse_block_table_row(
     # ctx: 128 tokens per full block plus the tail's causal_len - self_blk * 128.
     ctx = tl.reduce(tl.where(is_tail, tail_len, tl.where(keep, SPARSE_BLOCK, 0)), 0, _add)
     physical = tl.load(bt_row_ptr + tl.where(keep, b, 0) * bt_stride_m, mask=keep, other=0).to(tl.int64)
-    page_ids = (physical[:, None] * BLOCK_PAGE_STRIDE + pages[None, :]).to(tl.int32)
+    page_ids = physical[:, None] * BLOCK_PAGE_STRIDE + pages[None, :]
+    # A page id past int32 is past every cache (views hold < 2**31 pages): -1, never read, never wrapped.
+    page_ids = tl.where((page_ids >= -(2**31)) & (page_ids < 2**31), page_ids, -1).to(tl.int32)
     tl.store(out_row_ptr + out_slot[:, None] * PAGES + pages[None, :], page_ids, mask=keep[:, None])
     # Every entry past the used pages is 0 (disjoint from the slots written above).
     unused = (slots >= n_used) & (slots < K)

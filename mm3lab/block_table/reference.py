@@ -133,13 +133,17 @@ def sparse_block_table_row(
         p: the query's absolute position (negative = padded row).
         block_page_stride: page ids per physical block, 8 (dense) or 16 (packed).
     Returns:
-        ``(row, ctx)``: ``row`` is ``K * 8`` page ids, zero past the used pages.
+        ``(row, ctx)``: ``row`` is ``K * 8`` page ids, zero past the used pages. A page id that
+        does not fit int32 (past every cache) is ``-1``, never wrapped; while validation is on
+        the entry points reject it first.
     """
     plan = plan_sparse_row(blk, p, table_width=len(block_table_row))
     row = []
     for b in plan.blocks:
         physical = int(block_table_row[b])
-        row.extend(physical * block_page_stride + j for j in range(PAGES_PER_SPARSE_BLOCK))
+        for j in range(PAGES_PER_SPARSE_BLOCK):
+            page = physical * block_page_stride + j
+            row.append(page if -(2**31) <= page < 2**31 else -1)  # past int32 = past every cache: never read
     row.extend([0] * (len(blk) * PAGES_PER_SPARSE_BLOCK - len(row)))
     return row, plan.ctx
 

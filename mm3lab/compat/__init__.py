@@ -1,1 +1,1 @@
-"""Compatibility layers with the names and shapes of upstream serving engines."""
+"""Compatibility layers with the names and shapes of upstream serving engines and kernels (vllm, msa)."""

@@ -17,13 +17,15 @@ from __future__ import annotations
 import torch
 
 from .. import backend
-from .._checks import FLOAT_DTYPES, check_int
+from .._checks import FLOAT_DTYPES, check_device, check_int
 from ..constants import SPARSE_BLOCK_SIZE
+from ..fp8 import FP8_DTYPE
 from . import reference
 from .checks import check_index_cache, check_insert_index_cache, check_token_slots, index_cache_slots
 
 __all__ = [
     "allocate_index_cache",
+    "allocate_index_scale",
     "check_index_cache",
     "index_cache_slots",
     "insert_index_cache",
@@ -39,19 +41,43 @@ def allocate_index_cache(
     device="cpu",
     fill: float | None = None,
 ) -> torch.Tensor:
-    """A ``[num_blocks, 128, index_dim]`` index cache (``fill=None`` leaves memory uninitialized)."""
+    """A ``[num_blocks, 128, index_dim]`` index cache (``fill=None`` leaves memory uninitialized).
+
+    ``dtype=torch.float8_e4m3fn`` gives the FP8 keys of SPEC section 9; their per-token
+    float32 scales are a separate ``[num_blocks, 128]`` tensor, :func:`allocate_index_scale`,
+    passed as ``index_scale=`` to the insert and to every indexer entry point.
+    """
     check_int("num_blocks", num_blocks, minimum=1)
     check_int("index_dim", index_dim, minimum=1)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+    if dtype not in FLOAT_DTYPES and dtype != FP8_DTYPE:
+        raise TypeError(f"dtype: expected float32, float16, bfloat16 or float8_e4m3fn, got {dtype}")
+    device = check_device("device", device)
     cache = torch.empty(num_blocks, SPARSE_BLOCK_SIZE, index_dim, dtype=dtype, device=device)
     if fill is not None:
         cache.fill_(fill)
     return cache
 
 
-def insert_index_cache(index_k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def allocate_index_scale(num_blocks: int, *, device="cpu", fill: float = 1.0) -> torch.Tensor:
+    """The per-token float32 scales ``[num_blocks, 128]`` of an FP8 index cache (SPEC section 9)."""
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+        raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
+    return torch.full((num_blocks, SPARSE_BLOCK_SIZE), float(fill), dtype=torch.float32, device=device)
+
+
+def insert_index_cache(
+    index_k: torch.Tensor,
+    index_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    index_scale: torch.Tensor | None = None,
+) -> None:
     """Scatter ``N`` index keys into the index cache by slot, in place, in one launch.
+
+    An FP8 cache (``float8_e4m3fn``) quantizes on the way in (SPEC section 9): each key
+    is stored as ``k / scale`` with ``scale = amax(|k|) / 448`` (1 for a zero key), and
+    the scale goes to ``index_scale[block, offset]``. The kernel and the reference store
+    the same bits.
 
     Slot ``block * 128 + offset`` is row ``offset`` of block ``block``. A negative
     slot is padding (nothing written). A slot past the cache is never written;
@@ -59,24 +85,28 @@ def insert_index_cache(index_k: torch.Tensor, index_cache: torch.Tensor, slot_ma
     row) before anything is written, so a rejected call leaves the cache bit-identical.
 
     Args:
-        index_k: ``[N, Di]`` float32/float16/bfloat16 in the cache's dtype; any strides.
+        index_k: ``[N, Di]`` float32/float16/bfloat16 in the cache's dtype (any of them for an
+            FP8 cache); any strides.
         index_cache: ``[num_blocks, 128, Di]``, contiguous head dim (last dimension).
         slot_mapping: ``[N]`` int32/int64 slots.
+        index_scale: ``[num_blocks, 128]`` float32 scales, required for an FP8 cache, ``None`` otherwise.
     Raises:
         TypeError: a non-tensor, float slots, a dtype that differs from the cache's.
         ValueError: wrong ranks, a dimension 1 other than 128, a head-dim mismatch, a
             slot vector of the wrong length, a non-contiguous cache head dim, tensors on
             different devices; with validation on, a slot ``>= num_blocks * 128``.
     """
-    check_insert_index_cache(index_k, index_cache, slot_mapping)
+    check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale)
     if index_k.shape[0] == 0:
         return
     if not backend.use_kernel(index_k, index_cache, slot_mapping, entry_point="insert_index_cache"):
-        reference.insert_index_cache(index_k, index_cache, slot_mapping)
+        reference.insert_index_cache(index_k, index_cache, slot_mapping, index_scale=index_scale)
         return
     from .kernel import insert_index_cache_kernel
 
-    insert_index_cache_kernel(index_k, index_cache, slot_mapping)
+    if index_scale is not None and backend.INTERPRETER and index_k.dtype == torch.bfloat16:
+        index_k = index_k.float()  # (the interpreter's bfloat16 arithmetic is inexact; the value is the same)
+    insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale)
 
 
 def token_slots(block_table: torch.Tensor, query_req_id: torch.Tensor, query_abs_pos: torch.Tensor) -> torch.Tensor:
@@ -104,4 +134,5 @@ def token_slots(block_table: torch.Tensor, query_req_id: torch.Tensor, query_abs
     logical = pos // SPARSE_BLOCK_SIZE
     live = (pos >= 0) & (req >= 0) & (req < b) & (logical < m)
     physical = block_table.to(torch.int64)[torch.where(live, req, 0), torch.where(live, logical, 0)]
+    live = live & (physical < 2**63 // SPARSE_BLOCK_SIZE)  # a slot past int64 is past every cache: never wrapped
     return torch.where(live, physical * SPARSE_BLOCK_SIZE + pos % SPARSE_BLOCK_SIZE, -1)

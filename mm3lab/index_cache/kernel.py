@@ -10,7 +10,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import backend
+from .._fp8_triton import round_to_e4m3
 from ..constants import SPARSE_BLOCK_SIZE
+from ..fp8 import FP8_MAX as _FP8_MAX_VALUE
+
+FP8_MAX = tl.constexpr(_FP8_MAX_VALUE)
 
 
 @triton.jit
@@ -23,6 +28,10 @@ def _insert_index_cache(
     stride_s,
     N, Di,
     capacity,  # num_blocks * 128
+    scale_ptr,  # [num_blocks, 128] float32 per-token scales (QUANT only)
+    stride_sb,
+    INTERPRETED: tl.constexpr,
+    QUANT: tl.constexpr,  # FP8 cache: quantize each key (BLOCK_D covers the whole key)
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPARSE_BLOCK: tl.constexpr,
@@ -38,13 +47,22 @@ def _insert_index_cache(
     src = index_k_ptr + rows.to(tl.int64)[:, None] * stride_kn + dims[None, :] * stride_kd
     keys = tl.load(src, mask=mask)
     dst = cache_ptr + block[:, None] * stride_cb + offset[:, None] * stride_ct + dims[None, :]
-    tl.store(dst, keys, mask=mask)
+    if QUANT:  # SPEC section 9: scale = amax(|k|) / 448 (1 for a zero key), stored k / scale in e4m3
+        kf = tl.where(mask, keys.to(tl.float32), 0.0)
+        amax = tl.max(tl.abs(kf), 1)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
+        q = tl.math.div_rn(kf, tl.broadcast_to(scale[:, None], kf.shape))
+        tl.store(dst, round_to_e4m3(q, INTERPRETED), mask=mask)
+        tl.store(scale_ptr + block * stride_sb + offset, scale, mask=write)
+    else:
+        tl.store(dst, keys, mask=mask)
 
 
-def insert_index_cache_kernel(index_k, index_cache, slot_mapping) -> None:
-    """Launch the insert (arguments already validated, ``N > 0``)."""
+def insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale=None) -> None:
+    """Launch the insert (arguments already validated, ``N > 0``); ``index_scale`` for an FP8 cache."""
     n, di = index_k.shape
-    block_d = min(triton.next_power_of_2(di), 256)
+    quant = index_scale is not None
+    block_d = triton.next_power_of_2(di) if quant else min(triton.next_power_of_2(di), 256)
     block_n = max(1, min(32, 4096 // block_d, triton.next_power_of_2(n)))
     grid = (triton.cdiv(n, block_n), triton.cdiv(di, block_d))
     _insert_index_cache[grid](
@@ -52,6 +70,7 @@ def insert_index_cache_kernel(index_k, index_cache, slot_mapping) -> None:
         index_cache, index_cache.stride(0), index_cache.stride(1),
         slot_mapping, slot_mapping.stride(0),
         n, di, index_cache.shape[0] * SPARSE_BLOCK_SIZE,
+        index_scale if quant else slot_mapping, index_scale.stride(0) if quant else 0, QUANT=quant, INTERPRETED=backend.INTERPRETER,
         BLOCK_N=block_n, BLOCK_D=block_d, SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
         num_warps=4,
     )

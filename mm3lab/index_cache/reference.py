@@ -15,24 +15,38 @@ from __future__ import annotations
 import torch
 
 from ..constants import SPARSE_BLOCK_SIZE
+from ..fp8 import quantize
 from .checks import check_insert_index_cache, check_token_slots, index_cache_slots
 
 
-def insert_index_cache(index_k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def insert_index_cache(
+    index_k: torch.Tensor,
+    index_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    index_scale: torch.Tensor | None = None,
+) -> None:
     """Write each token's index key to its slot, in place.
 
     Args:
-        index_k: ``[N, Di]`` index keys, the cache's dtype.
+        index_k: ``[N, Di]`` index keys, the cache's dtype (any float dtype for an FP8 cache).
         index_cache: ``[num_blocks, 128, Di]``.
         slot_mapping: ``[N]`` int32/int64 slots ``block * 128 + offset``; negative = padding.
+        index_scale: ``[num_blocks, 128]`` float32 for an FP8 cache (SPEC section 9): the key is
+            stored as ``k / scale`` in e4m3 with ``scale = amax(|k|) / 448`` (1 for a zero key).
     """
-    check_insert_index_cache(index_k, index_cache, slot_mapping)
+    check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale)
     capacity = index_cache_slots(index_cache)
     for n, slot in enumerate(slot_mapping.tolist()):
         if slot < 0 or slot >= capacity:  # padding; a slot past the cache is never written
             continue
         block, offset = divmod(slot, SPARSE_BLOCK_SIZE)
-        index_cache[block, offset] = index_k[n]
+        if index_scale is None:
+            index_cache[block, offset] = index_k[n]
+        else:
+            values, scale = quantize(index_k[n])
+            index_cache[block, offset] = values
+            index_scale[block, offset] = scale
 
 
 def token_slots(block_table: torch.Tensor, query_req_id: torch.Tensor, query_abs_pos: torch.Tensor) -> torch.Tensor:
@@ -47,12 +61,15 @@ def token_slots(block_table: torch.Tensor, query_req_id: torch.Tensor, query_abs
     """
     check_token_slots(block_table, query_req_id, query_abs_pos)
     table = block_table.tolist()
+    b, m = block_table.shape
     slots = []
-    for r, p in zip(query_req_id.tolist(), query_abs_pos.tolist(), strict=False):
-        if p < 0:
+    for r, p in zip(query_req_id.tolist(), query_abs_pos.tolist(), strict=True):
+        # with validation off, a request or block outside the table is padding (never a wrap to row -1)
+        if p < 0 or not 0 <= r < b or p // SPARSE_BLOCK_SIZE >= m:
             slots.append(-1)
-        else:
-            slots.append(table[r][p // SPARSE_BLOCK_SIZE] * SPARSE_BLOCK_SIZE + p % SPARSE_BLOCK_SIZE)
+            continue
+        slot = table[r][p // SPARSE_BLOCK_SIZE] * SPARSE_BLOCK_SIZE + p % SPARSE_BLOCK_SIZE
+        slots.append(slot if slot < 2**63 else -1)  # past int64: past every cache, never wrapped
     return torch.tensor(slots, dtype=torch.int64, device=block_table.device)
 
 

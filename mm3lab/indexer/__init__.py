@@ -17,7 +17,14 @@ Every call is two launches at most (scores, then top-k with or without the table
 The top-k pre-selects groups of columns by their maxima on wide rows, then picks with
 ``tl.topk`` when compiled (see :mod:`mm3lab.indexer.kernel`). The PyTorch paths (SPEC 7,
 :data:`mm3lab.backend.FALLBACK_RULES`): bfloat16 under the interpreter, and float32 with
-more than 16 index heads on a GPU. Value checks: :mod:`mm3lab.indexer.checks`.
+more than 16 index heads on a GPU. **FP8 keys** (SPEC 9): an index cache of
+``float8_e4m3fn`` keys takes its per-token float32 scales as ``index_scale=``
+(:func:`mm3lab.allocate_index_scale`) on every entry point; ``index_q`` stays
+float32/float16/bfloat16. The kernel rounds each (row, head) query to a two-term FP8
+pair, scores with FP8 ``tl.dot`` and multiplies every dot by its token's scale before
+the block max; the reference dequantizes the keys. Scores agree within
+:data:`mm3lab.fp8.INDEX_SCORE_FP8_RTOL`, selected ids except at near ties. Value checks
+(one device sync with validation on): :mod:`mm3lab.indexer.checks`.
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ from __future__ import annotations
 import torch
 
 from .. import backend
+from ..block_table import MAX_KERNEL_TOPK
 from ..constants import PAGES_PER_SPARSE_BLOCK
+from ..fp8 import FP8_DTYPE
 from . import reference
-from .checks import check_block_page_stride, check_decode, check_prefill, check_topk_scores
+from .checks import NO_TOPK, check_block_page_stride, check_decode, check_prefill, check_topk_scores
 from .reference import candidate_blocks, force_scores, select_topk
 
 __all__ = [
@@ -44,22 +53,29 @@ __all__ = [
 ]
 
 
-def _use_kernel(entry_point: str, index_q, *tensors) -> bool:
-    fallback = backend.bf16_interpreted(index_q.dtype)
-    # float32 tiles are kept at 16 lanes (see kernel.index_scores_kernel); more than 16 index
-    # heads would need wider ones, so such float32 calls take the PyTorch path on a GPU.
-    if index_q.dtype == torch.float32 and index_q.shape[1] > 16 and not backend.INTERPRETER:
-        fallback = "fp32-wide-index-heads"
-    return backend.use_kernel(index_q, *tensors, entry_point=entry_point, fallback=fallback)
+def _use_kernel(entry_point: str, index_q, index_cache, *tensors) -> bool:
+    fallback = None
+    if index_cache.dtype != FP8_DTYPE:  # FP8 keys: the kernel rounds index_q to FP8 itself, from any float dtype
+        fallback = backend.bf16_interpreted(index_q.dtype)
+        # float32 tiles are kept at 16 lanes (see kernel.index_scores_kernel); more than 16 index
+        # heads would need wider ones, so such float32 calls take the PyTorch path on a GPU.
+        if index_q.dtype == torch.float32 and index_q.shape[1] > 16 and not backend.INTERPRETER:
+            fallback = "fp32-wide-index-heads"
+    return backend.use_kernel(index_q, index_cache, *tensors, entry_point=entry_point, fallback=fallback)
 
 
-def _scores(index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced):
+def _scores(
+    index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced, *, index_scale
+):
     from .kernel import index_scores_kernel
 
     n, h, _ = index_q.shape
+    if index_scale is not None and backend.INTERPRETER and index_q.dtype == torch.bfloat16:
+        index_q = index_q.float()  # exact; the interpreter's bfloat16 arithmetic is not
     scores = torch.empty(h, n, block_table.shape[1], dtype=torch.float32, device=index_q.device)
     index_scores_kernel(
-        index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced, scores
+        index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced, scores,
+        index_scale=index_scale,
     )
     return scores
 
@@ -70,6 +86,15 @@ def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_p
     h, n, _ = scores.shape
     topk_idx = torch.empty(h, n, topk, dtype=torch.int32, device=scores.device)
     tables = {}
+    if block_table is not None and topk > MAX_KERNEL_TOPK:
+        # the fused kernel compacts a row in registers (K x K): wider selections take two steps,
+        # the second on the PyTorch path (recorded by the caller and by the block table entry point)
+        topk_idx = _topk(scores, topk, req, pos, batch, dql, prefill)
+        from ..block_table import build_sparse_block_table_decode, build_sparse_block_table_prefill
+
+        if prefill:
+            return (topk_idx, *build_sparse_block_table_prefill(topk_idx, block_table, req, pos, block_page_stride))
+        return (topk_idx, *build_sparse_block_table_decode(topk_idx, block_table, req, dql, block_page_stride))
     if block_table is not None:
         tables = dict(
             block_table=block_table, block_page_stride=block_page_stride,
@@ -82,7 +107,7 @@ def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_p
     return topk_idx, tables["sparse_bt"], tables["sparse_ctx"]
 
 
-def _select(entry, index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks, *table):
+def _select(entry, index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks, *table, index_scale):
     """The top-k entry points after their checks: scores + top-k kernels, or the reference (SPEC 7).
 
     ``rows``: ``("decode", seq_lens, decode_query_len)`` or ``("prefill", query_req_id, query_abs_pos)``;
@@ -93,10 +118,16 @@ def _select(entry, index_q, index_cache, block_table, rows, topk, init_blocks, l
     row_args, extra = ((first,), (second,)) if decode else ((first, second), ())
     if not _use_kernel(entry, index_q, index_cache, block_table, *row_args):
         return getattr(reference, entry)(
-            index_q, index_cache, block_table, *row_args, topk, *extra, init_blocks, local_blocks, *table
+            index_q, index_cache, block_table, *row_args, topk, *extra, init_blocks, local_blocks, *table,
+            index_scale=index_scale,
         )
+    if table and topk > MAX_KERNEL_TOPK:
+        backend.fallback_taken(entry, "topk-over-512")
     req, pos, dql = (first, first, second) if decode else (first, second, 1)
-    scores = _scores(index_q, index_cache, block_table, req, pos, dql, not decode, init_blocks, local_blocks, True)
+    scores = _scores(
+        index_q, index_cache, block_table, req, pos, dql, not decode, init_blocks, local_blocks, True,
+        index_scale=index_scale,
+    )
     tables = (block_table, *table) if table else ()
     return _topk(scores, topk, req, pos, block_table.shape[0], dql, not decode, *tables)
 
@@ -110,6 +141,8 @@ def index_scores_decode(
     init_blocks: int = 0,
     local_blocks: int = 1,
     forced: bool = False,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block scores of decode rows (SPEC section 2, step 2), one launch.
 
@@ -132,14 +165,18 @@ def index_scores_decode(
     Raises:
         TypeError / ValueError: see :func:`index_topk_decode`.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, None, decode_query_len, init_blocks, local_blocks)
+    check_decode(
+        index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks, index_scale
+    )
     if not _use_kernel("index_scores_decode", index_q, index_cache, block_table, seq_lens):
         return reference.index_scores_decode(
-            index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, forced
+            index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, forced,
+            index_scale=index_scale,
         )
     return _scores(
         index_q, index_cache, block_table, seq_lens, seq_lens, decode_query_len, False, init_blocks, local_blocks,
         bool(forced),
+        index_scale=index_scale,
     )
 
 
@@ -152,6 +189,8 @@ def index_scores_prefill(
     init_blocks: int = 0,
     local_blocks: int = 1,
     forced: bool = False,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block scores of prefill rows (each with its own request and position), one launch.
 
@@ -160,14 +199,18 @@ def index_scores_prefill(
     Returns:
         ``[H, N, M]`` float32, ``-inf`` at non-candidates.
     """
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, None, init_blocks, local_blocks)
+    check_prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks, index_scale
+    )
     if not _use_kernel("index_scores_prefill", index_q, index_cache, block_table, query_req_id, query_abs_pos):
         return reference.index_scores_prefill(
-            index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, forced
+            index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, forced,
+            index_scale=index_scale,
         )
     return _scores(
         index_q, index_cache, block_table, query_req_id, query_abs_pos, 1, True, init_blocks, local_blocks,
         bool(forced),
+        index_scale=index_scale,
     )
 
 
@@ -180,6 +223,8 @@ def index_topk_decode(
     decode_query_len: int = 1,
     init_blocks: int = 0,
     local_blocks: int = 1,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The blocks each decode row attends (SPEC section 2, steps 2-3): scores, forcing, top-k.
 
@@ -204,9 +249,14 @@ def index_topk_decode(
             (names ``seq_lens`` and the request) or a used block table entry outside the
             cache (names ``block_table``, the request and the block).
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks)
+    check_decode(
+        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
+    )
     rows = ("decode", seq_lens, decode_query_len)
-    return _select("index_topk_decode", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks)
+    return _select(
+        "index_topk_decode", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks,
+        index_scale=index_scale,
+    )
 
 
 def index_topk_prefill(
@@ -218,6 +268,8 @@ def index_topk_prefill(
     topk: int,
     init_blocks: int = 0,
     local_blocks: int = 1,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The blocks each prefill row attends; arguments as :func:`index_topk_decode` with
     ``query_req_id [N]`` / ``query_abs_pos [N]`` instead of ``seq_lens``.
@@ -226,9 +278,14 @@ def index_topk_prefill(
     ``[0, B)`` on a row that is not padded (names ``query_req_id`` and the row) or a
     position ``>= M * 128`` (names ``query_abs_pos``).
     """
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks)
+    check_prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
+    )
     rows = ("prefill", query_req_id, query_abs_pos)
-    return _select("index_topk_prefill", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks)
+    return _select(
+        "index_topk_prefill", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks,
+        index_scale=index_scale,
+    )
 
 
 def index_topk_block_table_decode(
@@ -241,6 +298,8 @@ def index_topk_block_table_decode(
     init_blocks: int = 0,
     local_blocks: int = 1,
     block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`index_topk_decode` fused with :func:`mm3lab.build_sparse_block_table_decode`.
 
@@ -253,12 +312,14 @@ def index_topk_block_table_decode(
     Returns:
         ``(topk_idx [H, N, topk], sparse_bt [H, N, topk * 8], sparse_ctx [H, N])``, int32, contiguous.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks)
+    check_decode(
+        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
+    )
     check_block_page_stride(block_page_stride)
     rows = ("decode", seq_lens, decode_query_len)
     return _select(
         "index_topk_block_table_decode", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks,
-        block_page_stride,
+        block_page_stride, index_scale=index_scale,
     )
 
 
@@ -272,15 +333,19 @@ def index_topk_block_table_prefill(
     init_blocks: int = 0,
     local_blocks: int = 1,
     block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`index_topk_prefill` fused with :func:`mm3lab.build_sparse_block_table_prefill`
     (see :func:`index_topk_block_table_decode`)."""
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks)
+    check_prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
+    )
     check_block_page_stride(block_page_stride)
     rows = ("prefill", query_req_id, query_abs_pos)
     return _select(
         "index_topk_block_table_prefill", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks,
-        block_page_stride,
+        block_page_stride, index_scale=index_scale,
     )
 
 
@@ -297,6 +362,8 @@ def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
         ``[..., topk]`` int32.
     """
     check_topk_scores(scores, topk)
+    if scores.shape[-1] == 0 or scores.numel() == 0:  # no candidates (or no rows): all -1
+        return torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
     if not backend.use_kernel(scores, entry_point="topk_blocks", fallback=backend.bf16_interpreted(scores.dtype)):
         return reference.topk_blocks(scores, topk)
     from .kernel import topk_kernel

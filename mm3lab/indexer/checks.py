@@ -31,7 +31,16 @@ from .._checks import (  # noqa: F401  (check_block_page_stride, check_int re-ex
 from .._checks import dtype_name as _dtype_name
 from .._checks import raise_first as _raise_first
 from ..constants import SPARSE_BLOCK_SIZE
-from ..index_cache.checks import check_index_cache
+from ..fp8 import FP8_DTYPE
+from ..index_cache.checks import check_index_cache, check_index_scale
+
+MAX_TOPK = 8192
+"""Largest ``topk`` (SPEC: a context of up to 8192 blocks). Up to ``MAX_KERNEL_TOPK`` (512) the
+top-k and the sparse block table run fused; above it, the top-k kernel and then the table on its own."""
+
+
+NO_TOPK = object()
+"""``topk`` argument of :func:`check_decode` / :func:`check_prefill` for the score entry points (no top-k)."""
 
 
 def check_topk_scores(scores, topk) -> None:
@@ -39,7 +48,7 @@ def check_topk_scores(scores, topk) -> None:
     check_tensor("scores", scores, dtypes=FLOAT_DTYPES)
     if scores.dim() < 1:
         raise ValueError("scores: expected at least one dimension (the blocks), got a 0-d tensor")
-    check_int("topk", topk, minimum=1)
+    check_int("topk", topk, minimum=1, maximum=MAX_TOPK)
 
 
 def _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks) -> None:
@@ -51,13 +60,13 @@ def _check_common(index_q, index_cache, block_table, topk, init_blocks, local_bl
             f"index_q: head dim {index_q.shape[2]} does not match index_cache's head dim {di} "
             f"(index_q {tuple(index_q.shape)}, index_cache {tuple(index_cache.shape)})"
         )
-    if index_q.dtype != index_cache.dtype:
+    if index_q.dtype != index_cache.dtype and index_cache.dtype != FP8_DTYPE:  # FP8 keys: any float query
         raise TypeError(
             f"index_q: dtype {_dtype_name(index_q.dtype)} differs from index_cache's {_dtype_name(index_cache.dtype)}"
         )
     check_index("block_table", block_table, ndim=2)
-    if topk is not None:
-        check_int("topk", topk, minimum=1)
+    if topk is not NO_TOPK:
+        check_int("topk", topk, minimum=1, maximum=MAX_TOPK)
     check_int("init_blocks", init_blocks, minimum=0)
     check_int("local_blocks", local_blocks, minimum=0)
 
@@ -78,9 +87,59 @@ def _table_entries_check(block_table, blocks_used, num_blocks):
     return mask, message
 
 
-def check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks):
-    """Validate a decode indexer call (``topk=None`` for the score entry points)."""
+def check_table_entries(block_table, req, pos, num_blocks: int, cache: str, seq_lens=None) -> None:
+    """Rows ``(req[n], pos[n])`` (negative ``pos`` = padded) against a block table and a cache of ``num_blocks``.
+
+    Raises ``ValueError`` for a live row whose request is outside the table (names
+    ``query_req_id``), a position past the table (``seq_lens`` when given, else
+    ``query_abs_pos``), or a table entry that a live row reads (logical blocks ``0 .. p // 128``
+    of its request) outside ``[0, num_blocks)`` (``block_table``). One device sync in all;
+    nothing runs with validation off (the kernels mask these reads).
+    """
+    if not validation_enabled() or pos.numel() == 0:
+        return
+    b, m = block_table.shape
+    capacity = m * SPARSE_BLOCK_SIZE
+    pos64 = pos.to(torch.int64)
+    req64 = req.to(torch.int64)
+    live = pos64 >= 0
+    bad_req = live & ((req64 < 0) | (req64 >= b))
+    ok = live & ~bad_req & (pos64 < capacity)
+    blocks_used = torch.zeros(b, dtype=torch.int64, device=pos.device)
+    if b:
+        needed = torch.where(ok, pos64 // SPARSE_BLOCK_SIZE + 1, 0)
+        blocks_used.scatter_reduce_(0, torch.where(ok, req64, 0), needed, reduce="amax")
+    checks = [(bad_req, lambda r: (
+        f"query_req_id: row {r} has request id {int(req[r])}, outside the block table's {b} requests [0, {b})"
+    ))]
+    if seq_lens is not None:
+        lens = seq_lens.to(torch.int64)
+        checks.append((lens > capacity, lambda r: (
+            f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
+            f"{m} blocks = {capacity} tokens"
+        )))
+    checks.append((live & (pos64 >= capacity), lambda r: (
+        f"query_abs_pos: row {r} has position {int(pos[r])}, but a block_table row holds {m} blocks = {capacity} tokens"
+    )))
+    mask, _ = _table_entries_check(block_table, blocks_used, num_blocks)
+
+    def entry_message(r: int) -> str:
+        col = int(torch.nonzero(mask[r])[0, 0])
+        return (
+            f"block_table: request {r}, logical block {col} maps to physical block {int(block_table[r, col])}, "
+            f"outside {cache}'s {num_blocks} blocks"
+        )
+
+    checks.append((mask, entry_message))
+    _raise_first(checks)
+
+
+def check_decode(
+    index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale=None
+):
+    """Validate a decode indexer call (``topk=NO_TOPK`` for the score entry points)."""
     _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks)
+    check_index_scale(index_cache, index_scale)  # FP8 keys (SPEC section 9)
     b, m = block_table.shape
     check_index("seq_lens", seq_lens, shape=(b,))
     dql = check_int("decode_query_len", decode_query_len, minimum=1)
@@ -108,9 +167,12 @@ def check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query
     ])
 
 
-def check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks):
-    """Validate a prefill indexer call (``topk=None`` for the score entry points)."""
+def check_prefill(
+    index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale=None
+):
+    """Validate a prefill indexer call (``topk=NO_TOPK`` for the score entry points)."""
     _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks)
+    check_index_scale(index_cache, index_scale)  # FP8 keys (SPEC section 9)
     b, m = block_table.shape
     n = index_q.shape[0]
     check_index("query_req_id", query_req_id, shape=(n,))

@@ -11,8 +11,16 @@ key), masks the tokens after each lane's position, and keeps the maximum
 (NaN if any visible dot is NaN, like ``torch.amax``). Decode tiles are rows of one
 request; where a prefill tile's rows read different physical blocks (a request
 boundary) the program loads one key tile per distinct physical block. With
-``FORCE`` the program also applies init/local forcing and NaN -> ``-1e30``,
+``FORCE`` the program also clamps raw scores to ``[-1e28, 1e28]``, applies init/local forcing and NaN -> ``-1e30``,
 writing the scores top-k ranks.
+
+**FP8 keys** (SPEC section 9). The program rounds each lane's query to an FP8
+pair, ``q ~ s * (hi + lo / 16)`` with ``s = amax(|q|) / 448`` (``hi`` the e4m3
+rounding of ``q / s``, ``lo`` that of the remainder times 16: about bf16's 8
+significant bits), multiplies both with the FP8 key tile through ``tl.dot``
+(FP8 tensor cores on Hopper), and scales each dot by ``s`` and the token's
+scale before the block max. The second dot costs no memory traffic, which is
+what the decode scorer is bound by.
 
 **Top-k** (:func:`topk_kernel`). A program owns a few (head, row) pairs (one for the
 widest rows). Each candidate's (score, block id) becomes one int64 key whose order
@@ -37,8 +45,9 @@ import triton
 import triton.language as tl
 
 from .. import backend
+from .._fp8_triton import round_to_e4m3
 from ..block_table.kernel import emit_sparse_block_table_row
-from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
+from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, RAW_SCORE_LIMIT, SPARSE_BLOCK_SIZE
 from ..rows import row_request_position
 
 MAX_REGISTER_ROW = 8192
@@ -69,6 +78,7 @@ _KEY_MAX = tl.constexpr(2**63 - 1)
 _INIT_SCORE = tl.constexpr(INIT_SCORE)
 _LOCAL_SCORE = tl.constexpr(LOCAL_SCORE)
 _NAN_SCORE = tl.constexpr(NAN_SCORE)
+_RAW_LIMIT = tl.constexpr(RAW_SCORE_LIMIT)
 
 # --- row positions --------------------------------------------------------------------------
 
@@ -95,16 +105,27 @@ def _tile_rows(
 
 @triton.jit
 def _shared_block_dots(
-    q, cache_ptr, phys, stride_cb, stride_ct, lanes_ok, last_tok, tok, dims, dim_ok, IEEE: tl.constexpr
+    q, q_lo, q_scale, cache_ptr, scale_ptr, stride_sb, phys, stride_cb, stride_ct, lanes_ok, last_tok, tok, dims,
+    dim_ok, IEEE: tl.constexpr, FP8: tl.constexpr,
 ):
     """Dots of every lane with physical block ``phys``'s keys (a block inside the cache), and which
-    of them the lanes see (``lanes_ok`` and causal); keys no lane sees are not read."""
+    of them the lanes see (``lanes_ok`` and causal); keys no lane sees are not read.
+
+    FP8 keys: ``q`` / ``q_lo`` are the lanes' FP8 pair (``query ~ q_scale * (q + q_lo / 16)``),
+    both multiplied with the FP8 keys by ``tl.dot``, then scaled by the lane's and the token's scale.
+    """
     tile_last = tl.reduce(tl.where(lanes_ok, last_tok, -1), 0, _max)
+    tok_read = tok <= tile_last
     keys = tl.load(
         cache_ptr + phys * stride_cb + tok[:, None] * stride_ct + dims[None, :],
-        mask=(tok[:, None] <= tile_last) & dim_ok[None, :], other=0.0,
+        mask=tok_read[:, None] & dim_ok[None, :], other=0.0,
     )
-    if IEEE:  # float32: exact products, no TF32
+    if FP8:
+        k_t = tl.trans(keys)
+        dots = tl.dot(q, k_t) + tl.dot(q_lo, k_t) * 0.0625
+        k_scale = tl.load(scale_ptr + phys * stride_sb + tok, mask=tok_read, other=0.0)
+        dots = dots * q_scale[:, None] * k_scale[None, :]
+    elif IEEE:  # float32: exact products, no TF32
         dots = tl.dot(q, tl.trans(keys), input_precision="ieee")
     else:
         dots = tl.dot(q, tl.trans(keys))
@@ -122,6 +143,7 @@ def _index_scores(
     req_ptr, stride_r,  # prefill: [N] query_req_id; decode: [B] seq_lens
     pos_ptr, stride_p,  # prefill: [N] query_abs_pos; decode: unused
     out_ptr,  # [H, N, M] float32, contiguous
+    scale_ptr, stride_sb,  # FP8 keys: [num_blocks, 128] float32 per-token scales
     N, H, Di, B, M, num_blocks,
     DQL, TILES_PER_REQ,  # decode: queries per request and row tiles per request
     blocks_per_program,
@@ -129,6 +151,8 @@ def _index_scores(
     PREFILL: tl.constexpr,
     FORCE: tl.constexpr,
     IEEE: tl.constexpr,
+    FP8: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -153,6 +177,15 @@ def _index_scores(
         q_ptr + n[:, None] * stride_qn + head[:, None] * stride_qh + dims[None, :] * stride_qd,
         mask=lane_ok[:, None] & dim_ok[None, :], other=0.0,
     )
+    q_lo = q
+    q_scale = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if FP8:  # the query as an FP8 pair: q ~ q_scale * (hi + lo / 16), about bf16's precision
+        qf = q.to(tl.float32)
+        q_amax = tl.max(tl.abs(qf), 1)
+        q_scale = tl.where(q_amax > 0, q_amax / 448.0, 1.0)
+        qn = qf / q_scale[:, None]
+        q = round_to_e4m3(qn, INTERPRETED)
+        q_lo = round_to_e4m3((qn - q.to(tl.float32)) * 16.0, INTERPRETED)
     out_row = out_ptr + (head * N + n) * M  # [BLOCK_M] pointers to each lane's score row
 
     first = chunk * blocks_per_program
@@ -174,7 +207,8 @@ def _index_scores(
         while cur < num_blocks:
             mine = todo & (physical == cur)
             dots_c, sel = _shared_block_dots(
-                q, cache_ptr, cur, stride_cb, stride_ct, mine, last_tok, tok, dims, dim_ok, IEEE
+                q, q_lo, q_scale, cache_ptr, scale_ptr, stride_sb, cur, stride_cb, stride_ct, mine, last_tok, tok,
+                dims, dim_ok, IEEE, FP8,
             )
             dots = tl.where(sel, dots_c, dots)
             seen = seen | sel
@@ -185,6 +219,8 @@ def _index_scores(
         score = tl.where(has_nan, float("nan"), best)
         if FORCE:
             blk = tl.zeros([BLOCK_M], dtype=tl.int32) + b
+            score = tl.where(score > _RAW_LIMIT, _RAW_LIMIT, score)  # clamp (+inf counts as 1e28); NaN stays
+            score = tl.where(score < -_RAW_LIMIT, -_RAW_LIMIT, score)
             score = tl.where(cand & (blk < init_blocks), _INIT_SCORE, score)
             score = tl.where(cand & (blk >= valid - local_blocks), _LOCAL_SCORE, score)
             score = tl.where(score != score, _NAN_SCORE, score)
@@ -203,7 +239,7 @@ def _num_sms(device) -> int:
 
 def index_scores_kernel(
     index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced, out,
-    *, block_q: int | None = None, blocks_per_program: int | None = None,
+    *, index_scale=None, block_q: int | None = None, blocks_per_program: int | None = None,
 ) -> None:
     """Launch the scoring kernel into ``out [H, N, M]`` float32 (arguments already validated).
 
@@ -219,7 +255,8 @@ def index_scores_kernel(
     if block_q is None:
         block_q = max(1, min(triton.next_power_of_2(group), 64 // block_h))
     block_q = max(block_q, 16 // block_h)  # tl.dot needs at least 16 lanes
-    if index_q.dtype == torch.float32:
+    fp8 = index_scale is not None
+    if index_q.dtype == torch.float32 and not fp8:
         # float32 scores use the exact (FMA, not TF32) dot; on the H200 it compiled at 16 lanes but
         # not at 32, so float32 tiles stay at 16 lanes (float32 is the reference dtype, not the fast one).
         block_q = max(1, 16 // block_h)
@@ -246,11 +283,13 @@ def index_scores_kernel(
         block_table, *block_table.stride(),
         req, req.stride(0), pos, pos.stride(0),
         out,
+        index_scale if fp8 else out, index_scale.stride(0) if fp8 else 0,
         n, h, di, b, m, index_cache.shape[0],
         dql, tiles_per_req, blocks_per_program,
         init_blocks, local_blocks,
-        PREFILL=prefill, FORCE=forced, IEEE=index_q.dtype == torch.float32,
-        BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_D=max(16, triton.next_power_of_2(di)),
+        PREFILL=prefill, FORCE=forced, IEEE=index_q.dtype == torch.float32 and not fp8,
+        FP8=fp8, INTERPRETED=backend.INTERPRETER,
+        BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_D=max(32 if fp8 else 16, triton.next_power_of_2(di)),
         SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
         num_warps=4,
     )

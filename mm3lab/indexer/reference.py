@@ -9,7 +9,8 @@ For every query row ``t`` (request ``r``, absolute position ``p``) and index hea
    in float32, where the index keys of logical block ``b`` are
    ``index_cache[block_table[r, b]]`` (one key per token, shared by all heads).
    Blocks after ``p // 128`` are not candidates (score ``-inf``).
-2. **Force.** With ``valid = p // 128 + 1``: a block ``b < init_blocks`` scores
+2. **Force.** With ``valid = p // 128 + 1``: every raw score is first clamped to
+   ``[-1e28, 1e28]`` (``+inf`` counts as ``1e28``); then a block ``b < init_blocks`` scores
    ``1e30``; then a block ``b >= valid - local_blocks`` scores ``1e29`` (local is
    applied last, so a block that is both ends at ``1e29``). NaN counts as ``-1e30``.
 3. **Top-k.** ``topk_idx[h, t, :]`` = the ``topk`` candidates by descending score,
@@ -23,6 +24,10 @@ validation off): a request id outside the block table makes the row padded,
 candidates stop at the block table's width ``M``, and a block whose physical id
 is outside the cache is never read (it stays a candidate, scoring ``-inf``).
 
+An FP8 index cache (``float8_e4m3fn`` keys with per-token float32 scales
+``index_scale``, SPEC section 9) is read as the keys it stands for,
+``key * scale``, in float32; the rule above is then unchanged.
+
 These functions have the same signatures as the entry points in
 :mod:`mm3lab.indexer` and are the specification those are tested against.
 """
@@ -35,9 +40,10 @@ from collections.abc import Sequence
 import torch
 
 from ..block_table.reference import build_sparse_block_table_decode, build_sparse_block_table_prefill
-from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
+from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, RAW_SCORE_LIMIT, SPARSE_BLOCK_SIZE
+from ..fp8 import dequantize
 from ..rows import decode_rows
-from .checks import check_block_page_stride, check_decode, check_prefill, check_topk_scores
+from .checks import NO_TOPK, check_block_page_stride, check_decode, check_prefill, check_topk_scores
 
 # --- one row, in the SPEC's words -----------------------------------------------------------
 
@@ -55,11 +61,12 @@ def candidate_blocks(p: int, table_width: int | None = None) -> int:
 def force_scores(scores: Sequence[float], init_blocks: int = 0, local_blocks: int = 1) -> list[float]:
     """The selection scores of one row's ``valid = len(scores)`` candidates.
 
-    ``b < init_blocks`` -> ``1e30``; then ``b >= valid - local_blocks`` -> ``1e29``
-    (local last); NaN -> ``-1e30``.
+    First every raw score is clamped to ``[-1e28, 1e28]`` (``+inf`` counts as ``1e28``);
+    then ``b < init_blocks`` -> ``1e30``; then ``b >= valid - local_blocks`` -> ``1e29``
+    (local last); NaN -> ``-1e30``. Forced blocks therefore win against any raw score.
     """
     valid = len(scores)
-    forced = [float(s) for s in scores]
+    forced = [s if math.isnan(s) else min(max(s, -RAW_SCORE_LIMIT), RAW_SCORE_LIMIT) for s in map(float, scores)]
     for b in range(valid):
         if b < init_blocks:
             forced[b] = INIT_SCORE
@@ -93,6 +100,13 @@ def block_score(index_q_row: torch.Tensor, index_k_block: torch.Tensor, visible:
 
 
 # --- the entry points ------------------------------------------------------------------------
+
+
+def _dequantized(index_q, index_cache, index_scale):
+    """An FP8 cache (SPEC section 9) as the float32 keys it stands for, ``key * scale``; other caches as given."""
+    if index_scale is None:
+        return index_q, index_cache
+    return index_q.float(), dequantize(index_cache, index_scale)
 
 
 def _decode_rows(seq_lens: torch.Tensor, decode_query_len: int) -> list[tuple[int, int]]:
@@ -150,6 +164,8 @@ def index_scores_decode(
     init_blocks: int = 0,
     local_blocks: int = 1,
     forced: bool = False,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block scores of decode rows (step 2).
 
@@ -164,7 +180,8 @@ def index_scores_decode(
     Returns:
         ``[H, N, M]`` float32; ``-inf`` for every non-candidate block.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, None, decode_query_len, init_blocks, local_blocks)
+    check_decode(index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks, index_scale)
+    index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _decode_rows(seq_lens, decode_query_len)
     return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
 
@@ -178,10 +195,13 @@ def index_scores_prefill(
     init_blocks: int = 0,
     local_blocks: int = 1,
     forced: bool = False,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block scores of prefill rows (step 2); arguments as :func:`index_scores_decode` except
     ``query_req_id [N]`` / ``query_abs_pos [N]`` (negative position = padded row)."""
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, None, init_blocks, local_blocks)
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks, index_scale)
+    index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
     return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
 
@@ -195,12 +215,15 @@ def index_topk_decode(
     decode_query_len: int = 1,
     init_blocks: int = 0,
     local_blocks: int = 1,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Selected blocks of decode rows (steps 2-3): ``[H, N, topk]`` int32, ``-1`` padding.
 
     Args: as :func:`index_scores_decode`, plus ``topk``, the blocks selected per row.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks)
+    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale)
+    index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _decode_rows(seq_lens, decode_query_len)
     scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced=True)
     return _topk(scores, rows, topk)
@@ -215,9 +238,12 @@ def index_topk_prefill(
     topk: int,
     init_blocks: int = 0,
     local_blocks: int = 1,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Selected blocks of prefill rows (steps 2-3): ``[H, N, topk]`` int32, ``-1`` padding."""
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks)
+    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale)
+    index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
     scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced=True)
     return _topk(scores, rows, topk)
@@ -233,6 +259,8 @@ def index_topk_block_table_decode(
     init_blocks: int = 0,
     local_blocks: int = 1,
     block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`index_topk_decode`, then :func:`mm3lab.reference.build_sparse_block_table_decode` on its result.
 
@@ -241,7 +269,8 @@ def index_topk_block_table_decode(
     """
     check_block_page_stride(block_page_stride)
     topk_idx = index_topk_decode(
-        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks
+        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
+        index_scale=index_scale,
     )
     sparse_bt, sparse_ctx = build_sparse_block_table_decode(
         topk_idx, block_table, seq_lens, decode_query_len, block_page_stride
@@ -259,11 +288,14 @@ def index_topk_block_table_prefill(
     init_blocks: int = 0,
     local_blocks: int = 1,
     block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+    *,
+    index_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`index_topk_prefill`, then :func:`mm3lab.reference.build_sparse_block_table_prefill`."""
     check_block_page_stride(block_page_stride)
     topk_idx = index_topk_prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks,
+        index_scale=index_scale,
     )
     sparse_bt, sparse_ctx = build_sparse_block_table_prefill(
         topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride
@@ -282,6 +314,8 @@ def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
         ``-1`` past ``W``.
     """
     check_topk_scores(scores, topk)
+    if scores.shape[-1] == 0 or scores.numel() == 0:  # no candidates (or no rows): all -1
+        return torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
     rows = scores.reshape(-1, scores.shape[-1]).float().tolist()
     picked = [select_topk(row, topk) for row in rows]
     out = torch.tensor(picked, dtype=torch.int32).reshape(*scores.shape[:-1], topk)

@@ -25,10 +25,9 @@ from __future__ import annotations
 import torch
 
 from .. import backend
-from .._checks import check_index
 from ..constants import PAGE16_SIDES_PER_BLOCK, SPARSE_BLOCK_SIZE
 from . import reference
-from .checks import check_rebase_block_table, check_write_kv
+from .checks import check_rebase_block_table, check_rebase_slots, check_write_kv
 from .views import (
     DENSE_STRIDE,
     LAYOUTS,
@@ -36,6 +35,7 @@ from .views import (
     PagedKVCache,
     PageLocation,
     allocate_kv_cache,
+    check_kv_scales,
     check_kv_views,
     kv_cache_layout,
     layout_block_page_stride,
@@ -52,9 +52,10 @@ __all__ = [
     "DENSE_STRIDE",
     "LAYOUTS",
     "PACKED_STRIDE",
-    "PagedKVCache",
     "PageLocation",
+    "PagedKVCache",
     "allocate_kv_cache",
+    "check_kv_scales",
     "check_kv_views",
     "kv_cache_layout",
     "layout_block_page_stride",
@@ -100,13 +101,20 @@ def rebase_slot_mapping_to_page16(slots: torch.Tensor) -> torch.Tensor:
     Args:
         slots: int32/int64 tensor of page-128 slots, any shape (usually ``[N]``).
     """
-    check_index("slots", slots)
+    check_rebase_slots(slots)
     block = torch.div(slots.clamp(min=0), SPARSE_BLOCK_SIZE, rounding_mode="floor")
     return (slots + block * SPARSE_BLOCK_SIZE).contiguous()
 
 
 def write_kv_page16(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write K/V of ``N`` tokens into page-16 views of either layout, in place.
 
@@ -117,16 +125,21 @@ def write_kv_page16(
     If two tokens name the same slot, which one lands there is unspecified.
 
     Args:
-        key, value: ``[N, H, D]`` in the cache's dtype.
+        key, value: ``[N, H, D]`` in the cache's dtype (any float dtype for an FP8 cache).
         k_cache, v_cache: page-16 views ``[pages, 16, H, D]`` (dense or packed).
         slot_mapping: ``[N]`` int32/int64 page-128 slots.
+        k_scale, v_scale: FP8 caches only (``PagedKVCache.k_scale`` / ``.v_scale``, ``[pages, 16, H]``
+            float32): each (token, KV head) vector is quantized, ``scale = amax(|x|) / 448`` (1 for
+            zeros), stored ``x / scale`` in e4m3 (SPEC section 9); kernel and reference store the same bits.
     """
-    block_page_stride = check_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    block_page_stride = check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if key.shape[0] == 0:
         return
     if backend.use_kernel(key, k_cache, entry_point="write_kv_page16"):
         from .kernel import write_kv_page16_kernel
 
-        write_kv_page16_kernel(key, value, k_cache, v_cache, slot_mapping, block_page_stride)
+        if k_scale is not None and backend.INTERPRETER:
+            key, value = key.float(), value.float()  # exact; the interpreter's bfloat16 arithmetic is not
+        write_kv_page16_kernel(key, value, k_cache, v_cache, slot_mapping, block_page_stride, k_scale, v_scale)
     else:
-        reference.write_kv_page16(key, value, k_cache, v_cache, slot_mapping)
+        reference.write_kv_page16(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)

@@ -4,26 +4,61 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_index, check_out, check_same_device, check_tensor, first_bad_row, validation_enabled
+from .._checks import (
+    check_index,
+    check_no_alias,
+    check_out,
+    check_same_device,
+    check_tensor,
+    first_bad_row,
+    validation_enabled,
+)
 from ..constants import SPARSE_BLOCK_SIZE
-from .views import check_kv_views
+from ..fp8 import FP8_DTYPE
+from .views import check_kv_scales, check_kv_views
+
+
+def _check_doubles(name: str, t: torch.Tensor) -> None:
+    """Every value ``v`` of ``t`` has ``2 * v`` in ``t``'s dtype. Always runs (SPEC 7: a wrapped id is a
+    wrong answer): one ``aminmax`` and one device sync."""
+    if t.numel() == 0:
+        return
+    info = torch.iinfo(t.dtype)
+    low, high = (int(v) for v in torch.stack(torch.aminmax(t)).tolist())
+    if high > info.max // 2 or low < info.min // 2:
+        bad = high if high > info.max // 2 else low
+        raise ValueError(
+            f"{name}: value {bad} doubled does not fit {str(t.dtype).replace('torch.', '')} "
+            f"(values must lie in [{info.min // 2}, {info.max // 2}])"
+        )
 
 
 def check_rebase_block_table(block_table, out) -> None:
     check_index("block_table", block_table)
     check_out("out", out, block_table.shape, block_table.dtype, block_table.device)
+    _check_doubles("block_table", block_table)
 
 
-def check_write_kv(key, value, k_cache, v_cache, slot_mapping) -> int:
+def check_rebase_slots(slots) -> None:
+    """``rebase_slot_mapping_to_page16``: a slot ``s`` becomes about ``2 s``; it must fit the dtype."""
+    check_index("slots", slots)
+    _check_doubles("slots", slots)
+
+
+def check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> int:
     """Validate ``write_kv_page16``'s arguments; return the views' ``block_page_stride``."""
     block_page_stride = check_kv_views(k_cache, v_cache)
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)  # FP8 (SPEC section 9)
     _, _, h, d = k_cache.shape
     check_tensor("key", key, ndim=3)
     n = key.shape[0]
-    check_tensor("key", key, shape=(n, h, d), dtypes=(k_cache.dtype,))
-    check_tensor("value", value, shape=(n, h, d), dtypes=(k_cache.dtype,))
+    # an FP8 cache quantizes keys/values of any float dtype
+    kv_dtypes = (torch.float32, torch.float16, torch.bfloat16) if k_cache.dtype == FP8_DTYPE else (k_cache.dtype,)
+    check_tensor("key", key, shape=(n, h, d), dtypes=kv_dtypes)
+    check_tensor("value", value, shape=(n, h, d), dtypes=kv_dtypes)
     check_index("slot_mapping", slot_mapping, shape=(n,))
     check_same_device(k_cache=k_cache, key=key, value=value, slot_mapping=slot_mapping)
+    check_no_alias(k_cache=k_cache, v_cache=v_cache, inputs={"key": key, "value": value, "slot_mapping": slot_mapping})
     if validation_enabled() and n:
         capacity = (k_cache.shape[0] // block_page_stride) * SPARSE_BLOCK_SIZE
         row = first_bad_row(slot_mapping >= capacity)

@@ -10,7 +10,8 @@ import torch
 
 from .._checks import check_index
 from ..constants import PAGE16_SIDES_PER_BLOCK, PAGE_SIZE, SPARSE_BLOCK_SIZE
-from .checks import cache_slots, check_rebase_block_table, check_write_kv
+from ..fp8 import quantize
+from .checks import cache_slots, check_rebase_block_table, check_rebase_slots, check_write_kv
 
 
 def rebase_block_table_to_page16(block_table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -36,7 +37,7 @@ def rebase_slot_mapping_to_page16(slots: torch.Tensor) -> torch.Tensor:
     Args:
         slots: int tensor ``[N]`` (any shape) of page-128 slots.
     """
-    check_index("slots", slots)
+    check_rebase_slots(slots)
     rebased = []
     for s in slots.reshape(-1).tolist():
         block = max(s, 0) // SPARSE_BLOCK_SIZE
@@ -45,7 +46,14 @@ def rebase_slot_mapping_to_page16(slots: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv_page16(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write each token's K and V to its page-16 slot, in place.
 
@@ -53,8 +61,10 @@ def write_kv_page16(
         key, value: ``[N, H, D]``.
         k_cache, v_cache: page-16 views ``[pages, 16, H, D]`` (dense or packed).
         slot_mapping: ``[N]``; slot ``block * 128 + off``, negative = padding.
+        k_scale, v_scale: FP8 caches only: ``[pages, 16, H]`` scale views; each (token, head)
+            vector is stored as ``x / scale``, ``scale = amax(|x|) / 448`` (1 for zeros), SPEC section 9.
     """
-    block_page_stride = check_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    block_page_stride = check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     capacity = cache_slots(k_cache, block_page_stride)
     for n, slot in enumerate(slot_mapping.tolist()):
         if slot < 0 or slot >= capacity:  # padding; past the cache is never written
@@ -62,5 +72,9 @@ def write_kv_page16(
         block, off = divmod(slot, SPARSE_BLOCK_SIZE)
         page = block * block_page_stride + off // PAGE_SIZE
         row = off % PAGE_SIZE
-        k_cache[page, row] = key[n]
-        v_cache[page, row] = value[n]
+        if k_scale is None:
+            k_cache[page, row] = key[n]
+            v_cache[page, row] = value[n]
+        else:
+            k_cache[page, row], k_scale[page, row] = quantize(key[n])
+            v_cache[page, row], v_scale[page, row] = quantize(value[n])

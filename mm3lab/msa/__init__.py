@@ -20,7 +20,6 @@ __all__ = [
     "MSADemo",
     "MSAStep",
     "SyntheticLayer",
-    "synthetic_layer",
     "attention_weights",
     "decode_query_rows",
     "dense_decode",
@@ -29,5 +28,6 @@ __all__ = [
     "msa_prefill",
     "run_msa_demo",
     "selected_mass",
+    "synthetic_layer",
     "topk_sweep",
 ]

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_index
+from .._checks import check_index, check_int, check_same_device
 from ..attention import sparse_attention
 from ..block_table import build_sparse_block_table_decode, build_sparse_block_table_prefill
-from ..layout import write_kv_page16
+from ..indexer.checks import check_table_entries
+from ..layout import num_cache_blocks, write_kv_page16
 from ..rows import decode_query_rows
 from .layer import MSAStep, _check_query, _prepare_inserts
 
@@ -39,8 +40,19 @@ def dense_decode(
     block_page_stride = _check_query(q, k_cache, v_cache)
     check_index("block_table", block_table, ndim=2)
     check_index("seq_lens", seq_lens, shape=(block_table.shape[0],))
+    dql = check_int("decode_query_len", decode_query_len, minimum=1)
+    b = block_table.shape[0]
+    if q.shape[0] != b * dql:
+        raise ValueError(
+            f"q: expected batch * decode_query_len = {b} * {dql} = {b * dql} rows "
+            f"(block_table has {b} requests), got {q.shape[0]}"
+        )
+    check_same_device(q=q, block_table=block_table, seq_lens=seq_lens)
     req, pos = decode_query_rows(seq_lens, decode_query_len)
-    slots = _prepare_inserts(q, key, value, None, k_cache, v_cache, None, block_table, req, pos)
+    check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache", seq_lens)
+    slots = _prepare_inserts(
+        q, key, value, None, k_cache, v_cache, None, block_table, req, pos, scale=scale, table_checked=True
+    )
     write_kv_page16(key, value, k_cache, v_cache, slots)
     topk_idx = _all_blocks(k_cache.shape[2], q.shape[0], block_table)
     sparse_bt, sparse_ctx = build_sparse_block_table_decode(
@@ -58,8 +70,12 @@ def dense_prefill(
 ):
     """Dense causal attention for prefill rows on the same inputs as :func:`msa_prefill` (baseline)."""
     block_page_stride = _check_query(q, k_cache, v_cache)
+    check_index("block_table", block_table, ndim=2)
+    check_index("query_abs_pos", query_abs_pos, ndim=1)
+    check_index("query_req_id", query_req_id, shape=(query_abs_pos.shape[0],))
+    check_same_device(q=q, block_table=block_table, query_req_id=query_req_id, query_abs_pos=query_abs_pos)
     req, pos = query_req_id, query_abs_pos
-    slots = _prepare_inserts(q, key, value, None, k_cache, v_cache, None, block_table, req, pos)
+    slots = _prepare_inserts(q, key, value, None, k_cache, v_cache, None, block_table, req, pos, scale=scale)
     write_kv_page16(key, value, k_cache, v_cache, slots)
     topk_idx = _all_blocks(k_cache.shape[2], q.shape[0], block_table)
     sparse_bt, sparse_ctx = build_sparse_block_table_prefill(topk_idx, block_table, req, pos, block_page_stride)

@@ -23,22 +23,23 @@ import types
 
 import torch
 
-from .._checks import check_same_device, check_tensor
+from .._checks import check_int, check_no_alias, check_same_device, check_scale, check_tensor, validation
 from ..attention import sparse_attention
 from ..constants import DEFAULT_TOPK
 from ..index_cache import insert_index_cache, token_slots
-from ..index_cache.checks import check_insert_index_cache
+from ..index_cache.checks import check_index_cache, check_insert_index_cache
 from ..indexer import (
     index_scores_decode,
     index_scores_prefill,
     index_topk_block_table_decode,
     index_topk_block_table_prefill,
 )
+from ..indexer.checks import MAX_TOPK, check_table_entries
 from ..indexer.checks import check_decode as check_indexer_decode
 from ..indexer.checks import check_prefill as check_indexer_prefill
-from ..layout import check_kv_views, write_kv_page16
+from ..layout import check_kv_views, num_cache_blocks, write_kv_page16
 from ..layout.checks import check_write_kv
-from ..rows import decode_query_rows
+from ..rows import decode_query_rows, rows_and_slots
 
 __all__ = ["MSAStep", "decode_query_rows", "msa_decode", "msa_prefill"]
 
@@ -93,19 +94,71 @@ def _check_query(q, k_cache, v_cache, index_q=None) -> int:
     return block_page_stride
 
 
-def _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos) -> torch.Tensor:
-    """Slots of the new tokens, after checking both inserts: nothing is written until all checks pass."""
-    if q.shape[0] != pos.shape[0]:
-        raise ValueError(f"q: expected one row per query token ({pos.shape[0]}), got {q.shape[0]}")
-    check_same_device(q=q, k_cache=k_cache, block_table=block_table)
-    slots = token_slots(block_table, req, pos)
+def _prepare_inserts(
+    q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, *, scale=None, table_checked=False, slots=None,
+) -> torch.Tensor:
+    """Slots of the new tokens, after checking every argument of the step (SPEC section 7).
+
+    Nothing is written until all checks pass: the new tokens' K/V (and index keys), the
+    ``scale``, the block table's entries against the KV cache, and the slots.
+    ``slots`` given: computed by :func:`rows_and_slots` from rows already checked against the table.
+    """
+    n = pos.shape[0]
+    _, _, hkv, d = k_cache.shape
+    if q.shape[0] != n:
+        raise ValueError(f"q: expected one row per query token ({n}), got {q.shape[0]}")
+    check_tensor("key", key, shape=(n, hkv, d), dtypes=(k_cache.dtype,))
+    check_tensor("value", value, shape=(n, hkv, d), dtypes=(k_cache.dtype,))
+    check_scale(scale, d)
+    check_same_device(q=q, k_cache=k_cache, key=key, value=value, block_table=block_table)
+    check_no_alias(k_cache=k_cache, v_cache=v_cache, inputs={"q": q, "key": key, "value": value, "index_k": index_k})
+    if index_cache is not None:
+        check_no_alias(index_cache=index_cache, inputs={"q": q, "key": key, "value": value, "index_k": index_k})
+    if not table_checked:
+        check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache")
+    if slots is None:
+        slots = token_slots(block_table, req, pos)
     check_write_kv(key, value, k_cache, v_cache, slots)
-    if index_k is not None:
+    if index_cache is not None:
         check_insert_index_cache(index_k, index_cache, slots)
     return slots
 
 
+def _check_index_step(index_k, index_cache, k_cache, v_cache, topk) -> None:
+    """The MSA layer's own rules: an index key per token, the top-k, one block count for both caches."""
+    check_tensor("index_k", index_k, ndim=2)
+    check_int("topk", topk, minimum=1, maximum=MAX_TOPK)
+    check_index_cache(index_cache)
+    kv_blocks = num_cache_blocks(k_cache, v_cache)
+    if index_cache.shape[0] != kv_blocks:
+        raise ValueError(
+            f"index_cache: {index_cache.shape[0]} blocks, but the KV cache has {kv_blocks}: both caches take the "
+            "same slot from the one block table, so they must hold the same number of blocks"
+        )
+
+
+# ----------------------------------------------------------------------------
+# the MSA layer, on kernel steps or (mm3lab.msa.reference) on reference steps
+# ----------------------------------------------------------------------------
+
+
+def _kernel_rows_and_slots(block_table, rows):
+    """``(req, pos, slots)`` in one launch (:func:`mm3lab.rows.rows_and_slots`)."""
+    kind, first, second = rows
+    if kind == "decode":
+        n, dev = first.shape[0] * second, first.device
+        req = torch.empty(n, dtype=torch.int32, device=dev)
+        pos = torch.empty(n, dtype=torch.int32, device=dev)
+        slots = torch.empty(n, dtype=torch.int64, device=dev)
+        rows_and_slots(block_table, req, pos, slots, seq_lens=first, decode_query_len=second)
+        return req, pos, slots
+    slots = torch.empty(second.shape[0], dtype=torch.int64, device=second.device)
+    rows_and_slots(block_table, first, second, slots)
+    return first, second, slots
+
+
 KERNEL_STEPS = types.SimpleNamespace(
+    rows_and_slots=_kernel_rows_and_slots,
     insert_index_cache=insert_index_cache,
     write_kv_page16=write_kv_page16,
     index_topk_block_table_decode=index_topk_block_table_decode,
@@ -114,34 +167,38 @@ KERNEL_STEPS = types.SimpleNamespace(
     index_scores_prefill=index_scores_prefill,
     sparse_attention=sparse_attention,
 )
-"""The steps :func:`msa_decode` / :func:`msa_prefill` join; their twins join ``mm3lab.reference``'s."""
+"""The steps :func:`msa_decode` / :func:`msa_prefill` join; :mod:`mm3lab.msa.reference` joins their twins."""
 
 
 def run_layer(steps, rows, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, *,
               topk, init_blocks, local_blocks, scale, return_intermediates):
-    """The MSA layer with its steps taken from ``steps`` (:data:`KERNEL_STEPS` or ``mm3lab.reference``).
+    """The MSA layer with its steps taken from ``steps`` (:data:`KERNEL_STEPS` or the reference's).
 
     ``rows``: ``("decode", seq_lens, decode_query_len)`` or ``("prefill", query_req_id, query_abs_pos)``.
+    Every argument is checked before the first cache write (SPEC 7).
     """
-    kind, *row_args = rows
+    kind, first, second = rows
     decode = kind == "decode"
     block_page_stride = _check_query(q, k_cache, v_cache, index_q)
+    _check_index_step(index_k, index_cache, k_cache, v_cache, topk)
     if decode:
-        seq_lens, dql = row_args
-        check_indexer_decode(index_q, index_cache, block_table, seq_lens, topk, dql, init_blocks, local_blocks)
-        req, pos = decode_query_rows(seq_lens, dql)
-        row_args, extra = [seq_lens], [dql]  # the steps take (seq_lens, ..., decode_query_len, ...)
+        check_indexer_decode(index_q, index_cache, block_table, first, topk, second, init_blocks, local_blocks)
+        row_args, extra = (first,), (second,)  # the steps take (seq_lens, ..., decode_query_len, ...)
     else:
-        req, pos = row_args
-        check_indexer_prefill(index_q, index_cache, block_table, req, pos, topk, init_blocks, local_blocks)
-        extra = []
-    slots = _prepare_inserts(q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos)
+        check_indexer_prefill(index_q, index_cache, block_table, first, second, topk, init_blocks, local_blocks)
+        row_args, extra = (first, second), ()
+    req, pos, slots = steps.rows_and_slots(block_table, rows)
+    slots = _prepare_inserts(
+        q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale, table_checked=True,
+        slots=slots,
+    )
     steps.insert_index_cache(index_k, index_cache, slots)
     steps.write_kv_page16(key, value, k_cache, v_cache, slots)
     select = steps.index_topk_block_table_decode if decode else steps.index_topk_block_table_prefill
-    topk_idx, sparse_bt, sparse_ctx = select(
-        index_q, index_cache, block_table, *row_args, topk, *extra, init_blocks, local_blocks, block_page_stride
-    )
+    with validation(False):  # checked above (check_indexer_*): not again
+        topk_idx, sparse_bt, sparse_ctx = select(
+            index_q, index_cache, block_table, *row_args, topk, *extra, init_blocks, local_blocks, block_page_stride
+        )
     out, lse = steps.sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True)
     if not return_intermediates:
         return out
@@ -150,72 +207,26 @@ def run_layer(steps, rows, q, key, value, index_q, index_k, k_cache, v_cache, in
     return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)
 
 
-# ----------------------------------------------------------------------------
-# the MSA layer
-# ----------------------------------------------------------------------------
-
-
-def layer_entry_points(steps, module: str):
-    """``(msa_decode, msa_prefill)`` running :func:`run_layer` on ``steps()`` (one signature for both twins)."""
-
-    def msa_decode(
-        q: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        index_q: torch.Tensor,
-        index_k: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        index_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        decode_query_len: int = 1,
-        topk: int = DEFAULT_TOPK,
-        init_blocks: int = 0,
-        local_blocks: int = 1,
-        scale: float | None = None,
-        return_intermediates: bool = False,
-    ):
-        rows = ("decode", seq_lens, decode_query_len)
-        return run_layer(
-            steps(), rows, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, topk=topk,
-            init_blocks=init_blocks, local_blocks=local_blocks, scale=scale, return_intermediates=return_intermediates,
-        )
-
-    def msa_prefill(
-        q: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        index_q: torch.Tensor,
-        index_k: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        index_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        query_req_id: torch.Tensor,
-        query_abs_pos: torch.Tensor,
-        *,
-        topk: int = DEFAULT_TOPK,
-        init_blocks: int = 0,
-        local_blocks: int = 1,
-        scale: float | None = None,
-        return_intermediates: bool = False,
-    ):
-        rows = ("prefill", query_req_id, query_abs_pos)
-        return run_layer(
-            steps(), rows, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, topk=topk,
-            init_blocks=init_blocks, local_blocks=local_blocks, scale=scale, return_intermediates=return_intermediates,
-        )
-
-    for fn in (msa_decode, msa_prefill):
-        fn.__qualname__, fn.__module__ = fn.__name__, module
-    return msa_decode, msa_prefill
-
-
-msa_decode, msa_prefill = layer_entry_points(lambda: KERNEL_STEPS, __name__)
-
-msa_decode.__doc__ = """One MSA layer for decode (and speculative-decode) rows: insert, select, attend.
+def msa_decode(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    decode_query_len: int = 1,
+    topk: int = DEFAULT_TOPK,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    scale: float | None = None,
+    return_intermediates: bool = False,
+):
+    """One MSA layer for decode (and speculative-decode) rows: insert, select, attend.
 
     The ``N = B * decode_query_len`` new tokens are the last positions of their
     requests (SPEC 2 row rule, :mod:`mm3lab.rows`); their index key, K and V are
@@ -237,8 +248,33 @@ msa_decode.__doc__ = """One MSA layer for decode (and speculative-decode) rows: 
     Returns:
         ``out [N, Hq, D]`` in q's dtype, or ``(out, MSAStep)``.
     """
+    return run_layer(
+        KERNEL_STEPS, ("decode", seq_lens, decode_query_len), q, key, value, index_q, index_k, k_cache, v_cache,
+        index_cache, block_table, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks, scale=scale,
+        return_intermediates=return_intermediates,
+    )
 
-msa_prefill.__doc__ = """One MSA layer for prefill rows, each with its own request and position.
+
+def msa_prefill(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_req_id: torch.Tensor,
+    query_abs_pos: torch.Tensor,
+    *,
+    topk: int = DEFAULT_TOPK,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    scale: float | None = None,
+    return_intermediates: bool = False,
+):
+    """One MSA layer for prefill rows, each with its own request and position.
 
     All ``N`` tokens are inserted before any is scored, so a chunk's queries see
     the whole chunk up to themselves (causal).
@@ -249,3 +285,8 @@ msa_prefill.__doc__ = """One MSA layer for prefill rows, each with its own reque
     Returns:
         ``out [N, Hq, D]``, or ``(out, MSAStep)``.
     """
+    return run_layer(
+        KERNEL_STEPS, ("prefill", query_req_id, query_abs_pos), q, key, value, index_q, index_k, k_cache, v_cache,
+        index_cache, block_table, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks, scale=scale,
+        return_intermediates=return_intermediates,
+    )

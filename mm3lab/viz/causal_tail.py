@@ -154,15 +154,15 @@ def _draw_pages(ax, y: float, blk: list[int], table: list[int], p: int, stride: 
             color, gid = UNUSED_COLOR, "page-unused"
         ax.add_patch(Rectangle((i, y), 1, 0.8, facecolor=color, edgecolor="white", linewidth=0.8, gid=gid))
         if labels:
-            ax.text(i + 0.5, y + 0.4, str(page_id), ha="center", va="center", fontsize=6 if page_id < 100 else 5,
+            ax.text(i + 0.5, y + 0.4, str(page_id), ha="center", va="center", fontsize=8 if page_id < 100 else 7,
                     color="black" if gid != "page-full" else "white")
     for slot, b in enumerate(plan.blocks):
         name = f"tail: block {b}" if b == plan.tail else f"block {b}"
         name = f"{name} -> phys {table[b]}" if labels else ("tail " if b == plan.tail else "") + str(b)
-        ax.text((slot + 0.5) * PAGES_PER_SPARSE_BLOCK, y - 0.08, name, ha="center", va="bottom", fontsize=7,
+        ax.text((slot + 0.5) * PAGES_PER_SPARSE_BLOCK, y - 0.12, name, ha="center", va="bottom", fontsize=7,
                 gid="block-label")
     x = ctx / PAGE_SIZE  # ctx in pages: the attention kernel reads tokens [0, ctx) of this row
-    ax.plot([x, x], [y - 0.1, y + 0.9], color="black", linewidth=2, gid="ctx")
+    ax.plot([x, x], [y, y + 0.95], color="black", linewidth=2, gid="ctx")  # below the block labels, not across
     return ctx
 
 
@@ -209,6 +209,7 @@ def _token_axis(ax, span_blocks: int) -> None:
 
 _TOKEN_LEGEND = [
     Patch(facecolor=_FULL_COLORS[0], label="attended, full block"),
+    Patch(facecolor=_FULL_COLORS[1], label="attended, another full block"),
     Patch(facecolor=TAIL_COLOR, label="attended, tail block"),
     Patch(facecolor=SKIPPED_COLOR, label="not selected"),
     Patch(facecolor="white", hatch="///", edgecolor="#bbbbbb", label="after p"),
@@ -255,7 +256,7 @@ def plot_sparse_row(topk, block_table_row: Sequence[int] | None = None, p: int =
     _token_axis(ax_tok, span)
     ax_tok.set_ylim(-0.1, 0.9)
     ax_tok.set_yticks([])
-    ax_tok.legend(handles=_TOKEN_LEGEND, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=7,
+    ax_tok.legend(handles=_TOKEN_LEGEND, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=5, fontsize=7,
                   frameon=False)
     return fig
 
@@ -417,8 +418,10 @@ def show_causal_tail(position: int = 300, topk="2 0 1 -1", decode_query_len: int
     ``decode_query_len > 1`` the request's earlier rows sit just before it and
     share the selection ``topk``.
     """
+    from .._checks import check_int
     from ..explain import explain_sparse_block_table
 
+    check_int("position", position, minimum=0)
     blk = parse_topk(topk)
     table = _table(block_table_row)
     print(explain_sparse_block_table(blk, table, position + 1, block_page_stride, decode_query_len))

@@ -17,7 +17,7 @@ carry a ``gid`` (``"occupancy"``, ``"new"``) so tests can find them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -186,7 +186,7 @@ def fill_text(steps: Sequence[FillStep]) -> str:
         live = [s for s in slots if s >= 0]
         shown = live if len(live) <= 4 else live[:2] + ["..."] + live[-2:]
         used = int((~torch.isnan(st.index_cache).all(dim=-1)).sum())
-        lines.append(f"{st.name:9s}  {len(slots):6d}  {len(slots) - len(live):6d}  {str(shown):37s}  {used:6d}")
+        lines.append(f"{st.name:9s}  {len(slots):6d}  {len(slots) - len(live):6d}  {shown!s:37s}  {used:6d}")
     return "\n".join(lines)
 
 
@@ -216,13 +216,75 @@ def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
+def plot_bytes_per_token(num_kv_heads: int | None = None, head_dim: int | None = None,
+                         index_dim: int | None = None, dtype_bytes: int = 2) -> Figure:
+    """Stacked bar per token: K and V bytes of every KV head against the one shared index key."""
+    from ..constants import HEAD_DIM, INDEX_HEAD_DIM, NUM_KV_HEADS
+
+    hkv, d, di = num_kv_heads or NUM_KV_HEADS, head_dim or HEAD_DIM, index_dim or INDEX_HEAD_DIM
+    k = v = hkv * d * dtype_bytes
+    idx = di * dtype_bytes
+    fig = Figure(figsize=(7.0, 2.4), layout="constrained")
+    ax = fig.add_subplot()
+    ax.barh(1, k, color="#1f77b4", label=f"K: {hkv} heads x {d} dims x {dtype_bytes} B")
+    ax.barh(1, v, left=k, color="#2ca02c", label="V: the same")
+    ax.barh(0, idx, color="#ff7f0e", label=f"index key: {di} dims x {dtype_bytes} B, shared by the heads")
+    for y, total in ((1, k + v), (0, idx)):
+        ax.text(total, y, f"  {total} B", va="center", fontsize=9)
+    ax.set_yticks([0, 1], ["index cache", "KV cache"])
+    ax.set_xlim(0, (k + v) * 1.2)
+    ax.set_xlabel("bytes per token (one layer)")
+    ax.set_title(f"one token: {k + v} B of K/V, {idx} B of index key ({idx / (k + v):.1%})", loc="left", fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    return fig
+
+
+DEMO_BLOCK_TABLE = ((3, 0, 5), (1, 4, 2))
+"""The notebook's block table: request 0 -> physical blocks 3, 0, 5; request 1 -> 1, 4, 2."""
+
+
+def show_index_fill(prefill_len: int = 200, decode_steps: int = 3, request: int = 0,
+                    block_table=DEMO_BLOCK_TABLE, other_prefill_len: int = 70, index_dim: int = 8,
+                    num_blocks: int = 7) -> Figure:
+    """Print one request's slots through a prefill and decode steps; return the cache after the last step.
+
+    ``request`` prefills ``prefill_len`` tokens, the other request ``other_prefill_len``
+    (the widget's callback, :func:`mm3lab.widgets.index_cache.index_cache_widget`).
+    """
+    bt = torch.as_tensor(block_table, dtype=torch.int64)
+    capacity = bt.shape[1] * SPARSE_BLOCK_SIZE
+    if not 0 <= request < bt.shape[0]:
+        raise ValueError(f"request: expected 0 <= request < {bt.shape[0]}, got {request}")
+    if prefill_len < 0 or decode_steps < 0 or prefill_len + decode_steps > capacity:
+        raise ValueError(f"prefill_len + decode_steps: expected at most {capacity} (the request's blocks), "
+                         f"got {prefill_len} + {decode_steps}")
+    lens = [other_prefill_len] * bt.shape[0]
+    lens[request] = int(prefill_len)
+    steps = simulate_fill(bt, lens, int(decode_steps), index_dim=index_dim, num_blocks=num_blocks)
+    seq_len = prefill_len + decode_steps
+    print(f"request {request}: prefill {prefill_len} tokens, then {decode_steps} decode steps -> {seq_len} tokens")
+    for st in steps:
+        mine = [s for r, s in zip(st.query_req_id.tolist(), st.slot_mapping.tolist()) if r == request and s >= 0]
+        if mine:
+            runs = ", ".join(f"{b * SPARSE_BLOCK_SIZE + lo}-{b * SPARSE_BLOCK_SIZE + hi - 1} (block {b})"
+                             for b, lo, hi in sorted(_runs(mine), key=lambda r: mine.index(r[0] * SPARSE_BLOCK_SIZE + r[1])))
+            print(f"  {st.name:<9} {len(mine):4d} slot(s): {runs}")
+    print(shared_table_text(bt[request].tolist(), max(seq_len, 1), "dense"))
+    return plot_index_cache(steps[-1].index_cache, bt,
+                            title=f"after the prefill and {decode_steps} decode step(s); request {request} "
+                                  f"prefilled {prefill_len}")
+
+
 __all__ = [
+    "DEMO_BLOCK_TABLE",
     "FillStep",
     "fill_text",
     "occupancy",
+    "plot_bytes_per_token",
     "plot_fill_steps",
     "plot_index_cache",
     "shared_table_text",
+    "show_index_fill",
     "simulate_fill",
     "slot_table_text",
 ]

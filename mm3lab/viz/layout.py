@@ -113,6 +113,11 @@ def page_table_text(
     dtype_bytes: int = 2,
 ) -> str:
     """The page-id table of one block as aligned text (what the notebook prints)."""
+    from .._checks import check_int
+
+    check_int("num_blocks", num_blocks, minimum=1)
+    check_int("block", block, minimum=0, maximum=num_blocks - 1)
+    check_int("num_kv_heads", num_kv_heads, minimum=1)
     rows = page_table(layout, num_blocks, block, num_kv_heads, head_dim, dtype_bytes)
     nbytes = page_bytes(num_kv_heads, head_dim, dtype_bytes)
     stride = layout_block_page_stride(layout)

@@ -196,14 +196,20 @@ def plot_topk_sweep(sweeps: dict) -> Figure:
     fig = Figure(figsize=(10, 3.4), layout="constrained")
     ax_err, ax_mass = fig.subplots(1, 2)
     floor = 1e-7
-    for label, rows in sweeps.items():
+    # Patterns can share a curve (needle and sink often do): each gets its own marker, line style
+    # and size, the earlier ones larger and below, so that a curve drawn over another stays visible.
+    styles = [("o", "-", 9), ("s", "--", 7), ("^", "-.", 6), ("D", ":", 4), ("v", "-", 4)]
+    for i, (label, rows) in enumerate(sweeps.items()):
+        marker, line, size = styles[i % len(styles)]
+        style = {"marker": marker, "linestyle": line, "markersize": size, "label": label, "zorder": 2 + i,
+                 "markerfacecolor": "none" if i % 2 == 0 else None}
         k = [r["topk"] for r in rows]
-        ax_err.plot(k, [max(r["error"], floor) for r in rows], marker="o", label=label)
-        ax_mass.plot(k, [r["mass"] for r in rows], marker="o", label=label)
+        ax_err.plot(k, [max(r["error"], floor) for r in rows], **style)
+        ax_mass.plot(k, [r["mass"] for r in rows], **style)
     ax_err.set_yscale("log")
     ax_err.set_xlabel("top-k (blocks per query and KV head)")
     ax_err.set_ylabel("||sparse - dense|| / ||dense||")
-    ax_err.set_title("output error (all blocks selected: exact)", fontsize=10, loc="left")
+    ax_err.set_title("output error (all blocks selected: float rounding only)", fontsize=10, loc="left")
     ax_mass.set_xlabel("top-k")
     ax_mass.set_ylabel("share of dense attention weight")
     ax_mass.set_ylim(0, 1.05)
@@ -346,11 +352,14 @@ def show_msa(topk: int = 4, context_len: int = 2048, layout: str = "packed", pat
 
     The widget's callback (:func:`mm3lab.widgets.msa.msa_widget`).
     """
+    from .._checks import check_int
     from ..synthetic import synthetic_layer
     from .msa_demo import run_msa_demo
 
-    layer = synthetic_layer(int(context_len), layout=layout, pattern=pattern, seed=seed, **DEMO_LAYER)
-    demo = run_msa_demo(layer, int(topk))
+    check_int("topk", topk, minimum=1)
+    check_int("context_len", context_len, minimum=1)
+    layer = synthetic_layer(context_len, layout=layout, pattern=pattern, seed=seed, **DEMO_LAYER)
+    demo = run_msa_demo(layer, topk)
     print(step_summary(demo))
     return plot_msa_demo(demo)
 

@@ -7,10 +7,13 @@ results notebook runs anywhere and shows the GPU's numbers.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+from ..constants import DEFAULT_TOPK, HEAD_DIM, INDEX_HEAD_DIM, MAX_CONTEXT, NUM_KV_HEADS, NUM_Q_HEADS
 
 RESULTS_ENV = "MM3LAB_RESULTS"
 """Environment variable naming a results file, or a folder of them, for :func:`load_results`."""
@@ -96,14 +99,18 @@ def plot_roofline(results: dict):
         if key not in seen:
             seen.add(key)
             uniq.append(r)
-    fig, ax = plt.subplots(figsize=(9, max(3, 0.32 * len(uniq) + 1)))
+    fig = Figure(figsize=(9, max(3, 0.32 * len(uniq) + 1)))
+    ax = fig.add_subplot()
     labels = [f"{r['name']}  {_shape_text(r['shape'], ['batch', 'rows', 'tokens', 'chunk', 'layout'])}" for r in uniq]
     values = [r["achieved_TBps"] for r in uniq]
-    ax.barh(range(len(uniq)), values, color="tab:blue")
+    ax.barh(range(len(uniq)), values, height=0.7, color="tab:blue")
+    for y, v in enumerate(values):  # small bandwidths stay readable: log axis, value printed at the bar
+        ax.text(v, y, f" {v / copy:.0%}", va="center", fontsize=8)
+    ax.set_xscale("log")
     ax.axvline(copy, color="tab:red", linestyle="--", label=f"copy bandwidth {copy:.2f} TB/s")
     ax.set_yticks(range(len(uniq)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("achieved TB/s on the bytes the kernel must move")
+    ax.set_xlabel("achieved TB/s on the bytes the kernel must move (log)")
     ax.set_title(f"Bandwidth against the copy roofline ({results['meta']['gpu']})")
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -112,7 +119,8 @@ def plot_roofline(results: dict):
 
 def plot_decode_times(results: dict):
     """Attention decode time per batch: mm3lab sparse, naive gather + SDPA, dense SDPA over the full context."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot()
     ours = [r for r in records(results, "attention_decode", "naive_gather_sdpa") if r["shape"].get("layout") == "dense"]
     dense = {r["shape"]["batch"]: r["baseline_ms"] for r in records(results, "attention_decode", "dense_sdpa")}
     batches = [r["shape"]["batch"] for r in ours]
@@ -134,7 +142,8 @@ def plot_decode_times(results: dict):
 def plot_speedups(results: dict):
     """Speedup over each record's baseline (log scale)."""
     rows = [r for r in results["records"] if r["speedup"] is not None]
-    fig, ax = plt.subplots(figsize=(9, max(3, 0.3 * len(rows) + 1)))
+    fig = Figure(figsize=(9, max(3, 0.3 * len(rows) + 1)))
+    ax = fig.add_subplot()
     labels = [f"{r['name']} vs {r['baseline']}  {_shape_text(r['shape'], ['batch', 'rows', 'tokens', 'chunk', 'layout'])}" for r in rows]
     ax.barh(range(len(rows)), [r["speedup"] for r in rows], color=["tab:green" if r["speedup"] >= 1 else "tab:red" for r in rows])
     ax.axvline(1.0, color="black", linewidth=0.8)
@@ -291,3 +300,410 @@ def limits(results: dict) -> list[str]:
         )
     return out
 
+
+
+# ----------------------------------------------------------------------------------------------
+# Records with a mode (benchmarks' record schema: mode, cv, samples, validation, fallback).
+# Every function below degrades gracefully: a record family that is absent gives None (plots)
+# or a line saying so (text), never an error, so the notebook runs on any results file.
+# ----------------------------------------------------------------------------------------------
+
+MODES = ("graph", "eager")
+MODE_TEXT = {"graph": "CUDA-graph replay", "eager": "eager call", "unknown": "call of unrecorded mode"}
+STAGES = ("insert", "indexer_scores", "topk", "block_table", "attention")
+"""The stages of one MSA decode step, in order (``msa_decode_stage`` records' ``shape.stage``)."""
+STAGE_COLORS = {"insert": "tab:gray", "indexer_scores": "tab:orange", "topk": "tab:purple",
+                "block_table": "tab:brown", "topk_block_table": "tab:pink", "attention": "tab:blue"}
+
+
+def mode_of(record: dict) -> str:
+    """``"graph"`` or ``"eager"``; ``"unknown"`` for records written before the schema had a mode."""
+    return record.get("mode") or "unknown"
+
+
+def fmt_us(ms: float | None) -> str:
+    """A time in microseconds (milliseconds from 1000 us), rounded for display."""
+    if ms is None:
+        return "-"
+    us = 1e3 * ms
+    return f"{us:.1f} us" if us < 1000 else f"{us / 1e3:.2f} ms"
+
+
+def timed(record: dict) -> str:
+    """``"12.3 us (graph)"``: every time shown carries its mode."""
+    return f"{fmt_us(record['ms'])} ({mode_of(record)})"
+
+
+_SHORT = {"batch": "b", "context": "ctx", "q_len": "q", "rows": "rows", "layout": "", "stage": "",
+          "selection": "", "index_dtype": "idx", "kv_dtype": "kv", "width": "w", "tokens": "tok", "chunk": "chunk"}
+
+
+def short_shape(shape: dict) -> str:
+    """A compact shape: ``b=16 ctx=128K q=1 packed``; keys not listed in ``_SHORT`` are left out."""
+    parts = []
+    for key, short in _SHORT.items():
+        if key not in shape:
+            continue
+        value = shape[key]
+        if key == "context" and isinstance(value, int) and value >= 1024:
+            value = f"{value // 1024}K"
+        parts.append(f"{short}={value}" if short else str(value))
+    return " ".join(parts)
+
+
+def _same(shape: dict, **want) -> bool:
+    return all(shape.get(k) == v for k, v in want.items())
+
+
+def mode_table(results: dict, width: int = 100) -> str:
+    """The summary table with a mode and a cv column, at most ``width`` characters a line."""
+    meta = results["meta"]
+    head = (f"{'benchmark':<20} {'shape':<22} {'mode':<5} {'time':>9} {'cv':>4} {'baseline':<14} "
+            f"{'base':>9} {'speedup':>7}")
+    title = (f"{meta.get('gpu', '?')}: copy bandwidth {meta.get('copy_TBps', float('nan')):.2f} TB/s; "
+             "mode: graph = CUDA-graph replay, eager = a plain call, ? = not recorded")
+    lines = [title, head]
+    for r in results["records"]:
+        if r["name"].startswith(("copy_", "launch_")):
+            continue
+        cv = f"{100 * r['cv']:.0f}%" if r.get("cv") is not None else "-"
+        speed = f"{r['speedup']:.1f}x" if r.get("speedup") is not None else "-"
+        line = (f"{r['name'][:20]:<20} {short_shape(r['shape'])[:22]:<22} {mode_of(r).replace('unknown', '?'):<5} {fmt_us(r['ms']):>9} "
+                f"{cv:>4} {(r.get('baseline') or '-')[:14]:<14} {fmt_us(r.get('baseline_ms')):>9} {speed:>7}")
+        lines.append(line[:width])
+    return "\n".join(lines)
+
+
+# --- one MSA decode step, stage by stage --------------------------------------------------------
+
+
+def stage_shapes(results: dict) -> list[tuple[int, int]]:
+    """The (batch, context) pairs that have ``msa_decode_stage`` records, sorted."""
+    return sorted({(r["shape"].get("batch"), r["shape"].get("context")) for r in records(results, "msa_decode_stage")})
+
+
+def stage_breakdown(results: dict, batch: int, context: int, mode: str = "graph") -> dict | None:
+    """The stages of one MSA decode step at (``batch``, ``context``) in ``mode``, and the whole step.
+
+    Returns ``None`` without stage records at that shape, else a dict: ``stages`` (list of
+    ``(stage, record)`` in pipeline order), ``sum_ms``, ``step`` (``{mode: record}`` of the whole
+    ``msa_decode`` step at that shape, where measured) and ``fused`` (the ``topk_block_table``
+    record, if measured).
+    """
+    found = {}
+    for r in records(results, "msa_decode_stage"):
+        sh = r["shape"]
+        if _same(sh, batch=batch, context=context) and mode_of(r) == mode:
+            found.setdefault(sh.get("stage"), r)
+    stages = [(s, found[s]) for s in STAGES if s in found]
+    if not stages:
+        return None
+    step = {}
+    for r in records(results, "msa_decode"):
+        if _same(r["shape"], batch=batch, context=context):
+            step.setdefault(mode_of(r), r)
+    return {"batch": batch, "context": context, "mode": mode, "stages": stages,
+            "sum_ms": sum(r["ms"] for _, r in stages), "step": step, "fused": found.get("topk_block_table")}
+
+
+def breakdown_text(results: dict, batch: int, context: int) -> str:
+    """Where one step's time goes: each stage, their sum, the whole step in each mode, host overhead."""
+    b = stage_breakdown(results, batch, context, "graph") or stage_breakdown(results, batch, context, "eager")
+    if b is None:
+        return f"no msa_decode_stage records at batch {batch}, context {context}"
+    lines = [f"MSA decode step, batch {batch}, context {context}: stages as {MODE_TEXT[b['mode']]}s"]
+    for stage, r in b["stages"]:
+        share = r["ms"] / b["sum_ms"] if b["sum_ms"] else 0.0
+        bw = f", {r['fraction_of_copy_bw']:.0%} of copy bandwidth" if r.get("fraction_of_copy_bw") else ""
+        lines.append(f"  {stage:<16} {timed(r):>20}  {share:>4.0%} of the stages{bw}")
+    lines.append(f"  {'sum of stages':<16} {fmt_us(b['sum_ms']) + ' (' + b['mode'] + ')':>20}")
+    if b["fused"] is not None:
+        lines.append(f"  (top-k and block table fused in one launch: {timed(b['fused'])})")
+    graph, eager = b["step"].get("graph"), b["step"].get("eager")
+    for r in (graph, eager):
+        if r is not None:
+            lines.append(f"  {'whole step':<16} {timed(r):>20}")
+    if graph is not None and b["mode"] == "graph":
+        lines.append(f"  the graph replay of the whole step is {fmt_us(graph['ms'] - b['sum_ms'])} away from the sum of "
+                     "its stages (launch gaps between kernels, glue ops)")
+    if graph is not None and eager is not None:
+        lines.append(f"  host overhead: eager - graph = {fmt_us(eager['ms'] - graph['ms'])}, the time Python and "
+                     "the launch path add before the GPU has work")
+    return "\n".join(lines)
+
+
+def plot_stage_breakdown(results: dict, mode: str = "graph") -> Figure | None:
+    """One stacked bar per (batch, context): the stages of a step, and the whole step measured in each mode."""
+    shapes = [s for s in stage_shapes(results) if stage_breakdown(results, *s, mode)]
+    if not shapes:
+        return None
+    fig = Figure(figsize=(9.0, 0.9 * len(shapes) + 1.8), layout="constrained")
+    ax = fig.add_subplot()
+    seen = set()
+    for y, (batch, context) in enumerate(shapes):
+        b = stage_breakdown(results, batch, context, mode)
+        left = 0.0
+        for stage, r in b["stages"]:
+            us = 1e3 * r["ms"]
+            ax.barh(y, us, left=left, height=0.5, color=STAGE_COLORS[stage], edgecolor="white",
+                    label=None if stage in seen else stage)
+            seen.add(stage)
+            left += us
+        for m, marker in (("graph", "o"), ("eager", "s")):
+            r = b["step"].get(m)
+            if r is not None:
+                ax.plot(1e3 * r["ms"], y, marker, color="black", markerfacecolor="white" if m == "eager" else "black",
+                        label=None if m in seen else f"whole step ({MODE_TEXT[m]})")
+                seen.add(m)
+    ax.set_yticks(range(len(shapes)), [f"batch {b}\n{short_shape({'context': c})}" for b, c in shapes])
+    ax.invert_yaxis()
+    ax.set_xlim(left=0)
+    ax.set_xlabel(f"microseconds (stages: {MODE_TEXT[mode]}s)")
+    ax.set_title("Where one MSA decode step's time goes", loc="left")
+    ax.legend(loc="lower right", fontsize=8)
+    return fig
+
+
+def plot_stage_roofline(results: dict, batch: int | None = None, context: int | None = None) -> Figure | None:
+    """Per stage: achieved bandwidth on the bytes it must move, against the copy bandwidth (the roofline)."""
+    shapes = stage_shapes(results)
+    if not shapes:
+        return None
+    batch, context = (batch, context) if batch is not None else shapes[-1]
+    b = stage_breakdown(results, batch, context, "graph") or stage_breakdown(results, batch, context, "eager")
+    rows = [(s, r) for s, r in b["stages"] if r.get("achieved_TBps")] if b else []
+    if not rows:
+        return None
+    copy = results["meta"]["copy_TBps"]
+    fig = Figure(figsize=(8.0, 0.55 * len(rows) + 1.6), layout="constrained")
+    ax = fig.add_subplot()
+    for y, (stage, r) in enumerate(rows):
+        ax.barh(y, r["achieved_TBps"], height=0.6, color=STAGE_COLORS[stage])
+        ax.text(r["achieved_TBps"], y, f" {r['achieved_TBps'] / copy:.0%} ({r['bytes'] / 1e6:.2f} MB, {timed(r)})",
+                va="center", fontsize=8)
+    ax.axvline(copy, color="tab:red", linestyle="--", label=f"copy bandwidth {copy:.2f} TB/s")
+    ax.set_yticks(range(len(rows)), [s for s, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(0, copy * 1.45)
+    ax.set_xlabel("TB/s achieved on the bytes the stage must move")
+    ax.set_title(f"Roofline per stage, batch {batch}, {short_shape({'context': context})}", loc="left")
+    ax.legend(loc="lower right", fontsize=8)
+    return fig
+
+
+# --- eager against graph: host overhead per entry point ---------------------------------------
+
+
+def host_device_rows(results: dict) -> list[dict]:
+    """Entry points measured both ways at one shape: ``device`` = graph time, ``host`` = eager - graph.
+
+    One row per (name, shape), the first baseline's records; validation-off eager
+    records are preferred when both exist (host overhead without the value checks).
+    """
+    graph, eager = {}, {}
+    for r in results["records"]:
+        if r["name"].startswith(("copy_", "launch_")) or r["name"] == "msa_decode_stage":
+            continue
+        key = (r["name"], json.dumps(r["shape"], sort_keys=True))
+        if mode_of(r) == "graph":
+            graph.setdefault(key, r)
+        elif key not in eager or (r.get("validation") is False and eager[key].get("validation") is not False):
+            eager[key] = r
+    out = []
+    for key, g in graph.items():
+        e = eager.get(key)
+        if e is not None:
+            out.append({"name": key[0], "shape": g["shape"], "device_ms": g["ms"],
+                        "host_ms": max(e["ms"] - g["ms"], 0.0), "eager_ms": e["ms"], "validation": e.get("validation")})
+    return out
+
+
+def plot_host_device(results: dict, limit: int = 12) -> Figure | None:
+    """Stacked bars: device time (graph replay) and host overhead (eager - graph) per entry point."""
+    rows = host_device_rows(results)[:limit]
+    if not rows:
+        return None
+    fig = Figure(figsize=(9.0, 0.42 * len(rows) + 1.6), layout="constrained")
+    ax = fig.add_subplot()
+    ys = range(len(rows))
+    ax.barh(ys, [1e3 * r["device_ms"] for r in rows], height=0.6, color="tab:blue", label="device (graph replay)")
+    ax.barh(ys, [1e3 * r["host_ms"] for r in rows], left=[1e3 * r["device_ms"] for r in rows], height=0.6,
+            color="tab:orange", label="host overhead (eager - graph)")
+    ax.set_yticks(list(ys), [f"{r['name']} {short_shape(r['shape'])}" for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(left=0)
+    ax.set_xlabel("microseconds per call")
+    ax.set_title("Eager call = host overhead + device time", loc="left")
+    ax.legend(loc="lower right", fontsize=8)
+    return fig
+
+
+# --- sparse speedup over dense, against context ------------------------------------------------
+
+
+def speedup_series(results: dict, name: str = "msa_decode", baseline: str = "dense_sdpa") -> dict:
+    """``{(batch, mode): [(context, speedup), ...]}`` for ``name`` against ``baseline``, contexts ascending."""
+    out: dict = {}
+    for r in records(results, name, baseline):
+        if r.get("speedup") is None or "context" not in r["shape"]:
+            continue
+        out.setdefault((r["shape"].get("batch"), mode_of(r)), []).append((r["shape"]["context"], r["speedup"]))
+    return {k: sorted(set(v)) for k, v in sorted(out.items(), key=lambda kv: (kv[0][1], kv[0][0] or 0))}
+
+
+def plot_speedup_vs_context(results: dict) -> Figure | None:
+    """Speedup of the sparse step (or sparse attention) over dense SDPA as the context grows, per batch and mode."""
+    for name in ("msa_decode", "sparse_attention", "attention_decode"):
+        series = speedup_series(results, name)
+        if any(len(v) > 1 for v in series.values()) or (series and name == "attention_decode"):
+            break
+    if not series:
+        return None
+    fig = Figure(figsize=(7.5, 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    for (batch, mode), pts in series.items():
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, "o-" if mode == "graph" else "s--", label=f"batch {batch} ({mode})")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("speedup over dense SDPA (log)")
+    ax.set_title(f"{name}: the sparse read stays ~{DEFAULT_TOPK} blocks while dense grows with context", loc="left",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_grid_heatmap(results: dict, name: str = "msa_decode_grid") -> Figure | None:
+    """Speedup over dense, batch x context, one panel per (index dtype, KV dtype, q_len), graph mode first."""
+    recs = [r for r in records(results, name) if r.get("speedup") is not None]
+    if not recs:
+        return None
+    modes = {mode_of(r) for r in recs}
+    mode = "graph" if "graph" in modes else min(modes)
+    recs = [r for r in recs if mode_of(r) == mode]
+    panels = sorted({(r["shape"].get("index_dtype", "bf16"), r["shape"].get("kv_dtype", "bf16"), r["shape"].get("q_len", 1))
+                     for r in recs}, key=str)[:4]
+    fig = Figure(figsize=(4.2 * len(panels), 3.8), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (idt, kvt, q) in zip(axes, panels):
+        sub = [r for r in recs if (r["shape"].get("index_dtype", "bf16"), r["shape"].get("kv_dtype", "bf16"),
+                                   r["shape"].get("q_len", 1)) == (idt, kvt, q)]
+        batches = sorted({r["shape"]["batch"] for r in sub})
+        contexts = sorted({r["shape"]["context"] for r in sub})
+        grid = [[float("nan")] * len(contexts) for _ in batches]
+        for r in sub:
+            grid[batches.index(r["shape"]["batch"])][contexts.index(r["shape"]["context"])] = r["speedup"]
+        image = ax.imshow(grid, cmap="viridis", aspect="auto")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                if not math.isnan(v):
+                    ax.text(j, i, f"{v:.1f}x", ha="center", va="center", fontsize=8, color="white")
+        ax.set_xticks(range(len(contexts)), [short_shape({"context": c}).split("=")[1] for c in contexts])
+        ax.set_yticks(range(len(batches)), [str(b) for b in batches])
+        ax.set_xlabel("context")
+        ax.set_ylabel("batch")
+        ax.set_title(f"index {idt}, KV {kvt}, q_len {q} ({mode})", fontsize=9)
+        fig.colorbar(image, ax=ax, shrink=0.8)
+    fig.suptitle(f"{name}: speedup over dense SDPA", fontsize=10)
+    return fig
+
+
+def prefill_text(results: dict) -> str:
+    """Prefill attention per selection pattern: time with its mode, attended TFLOP/s, the dense ratio."""
+    recs = records(results, "attention_prefill")
+    if not recs:
+        return "no attention_prefill records in this results file"
+    lines = [f"{'selection':<10} {'shape':<22} {'time':>18} {'baseline':<22} {'TFLOP/s':>8} {'vs dense':>8}"]
+    for r in recs:
+        tf = f"{r['attended_TFLOPs']:.0f}" if r.get("attended_TFLOPs") is not None else "-"
+        ratio = f"{r['flops_ratio']:.2f}" if r.get("flops_ratio") is not None else "-"
+        lines.append(f"{r['shape'].get('selection', '-'):<10} {short_shape(r['shape'])[:22]:<22} {timed(r):>18} "
+                     f"{(r.get('baseline') or '-')[:22]:<22} {tf:>8} {ratio:>8}")
+    return "\n".join(lines)
+
+
+def validation_text(results: dict) -> str:
+    """What the value checks cost: eager records measured with validation on and off at one shape."""
+    pairs: dict = {}
+    for r in results["records"]:
+        if mode_of(r) == "eager" and r.get("validation") is not None:
+            key = (r["name"], json.dumps(r["shape"], sort_keys=True))
+            pairs.setdefault(key, {}).setdefault(bool(r["validation"]), r)
+    lines = []
+    for (name, _), both in pairs.items():
+        if True in both and False in both:
+            on, off = both[True], both[False]
+            lines.append(f"{name:<22} {short_shape(on['shape']):<22} checks on {fmt_us(on['ms']):>9}, off "
+                         f"{fmt_us(off['ms']):>9}: {fmt_us(on['ms'] - off['ms'])} (eager)")
+    return "\n".join(lines) if lines else "no eager records with validation on and off at the same shape"
+
+
+# --- real sizes, from the cost model (nothing measured) ------------------------------------------
+
+
+def real_size_stages(context: int = MAX_CONTEXT, batch: int = 1, topk: int = DEFAULT_TOPK,
+                     kv_bytes: int = 2, index_bytes: int = 2) -> list[tuple[str, int, str]]:
+    """Bytes each stage of one decode step must move at MiniMax-M3's sizes, per layer.
+
+    ``(stage, bytes, what)`` for ``batch`` query tokens at ``context`` tokens each:
+    64 query / 4 KV heads of 128 dims, 128-dim index keys, 128-token blocks, top-k 16.
+    """
+    from ..cost import attention_cost
+
+    c = attention_cost(context, topk=topk, kv_bytes=kv_bytes, index_bytes=index_bytes)
+    blocks = -(-context // 128)
+    new_token = NUM_KV_HEADS * HEAD_DIM * 2 * kv_bytes + INDEX_HEAD_DIM * index_bytes
+    return [
+        ("insert", batch * new_token, "the new token's K, V and index key written"),
+        ("indexer_scores", batch * (c.indexer_bytes + NUM_KV_HEADS * blocks * 4),
+         f"{context} index keys read, {NUM_KV_HEADS} x {blocks} block scores written"),
+        ("topk", batch * NUM_KV_HEADS * (blocks * 4 + topk * 4), f"scores read, {topk} block ids per KV head"),
+        ("block_table", batch * (NUM_KV_HEADS * topk * 4 + c.table_bytes), "ids read, page ids written"),
+        ("attention", batch * (c.sparse_kv_bytes + NUM_Q_HEADS * HEAD_DIM * 2 * 2),
+         f"K and V of {c.sparse_tokens} tokens per KV head read"),
+    ]
+
+
+def real_size_text(context: int = MAX_CONTEXT, batch: int = 1, bandwidth_tbps: float | None = None) -> str:
+    """:func:`real_size_stages` as text, with the time each would take at ``bandwidth_tbps``."""
+    from ..cost import H200_TBPS
+
+    bw = bandwidth_tbps or H200_TBPS
+    rows = real_size_stages(context, batch)
+    total = sum(b for _, b, _ in rows)
+    title = (f"one decode step, one layer, batch {batch}, context {context} ({NUM_Q_HEADS}/{NUM_KV_HEADS} heads, "
+             f"top-k {DEFAULT_TOPK}): bytes per stage, and the time at {bw:.2f} TB/s")
+    lines = [title]
+    for stage, nbytes, what in rows:
+        lines.append(f"  {stage:<15} {nbytes / 1e6:>9.3f} MB {nbytes / (bw * 1e12) * 1e6:>8.2f} us  {what}")
+    lines.append(f"  {'total':<15} {total / 1e6:>9.3f} MB {total / (bw * 1e12) * 1e6:>8.2f} us")
+    return "\n".join(lines)
+
+
+def plot_real_size_stages(contexts=(8192, 131072, MAX_CONTEXT), batch: int = 1) -> Figure:
+    """The pipeline of one decode step at MiniMax-M3's sizes: bytes each stage moves, per context length."""
+    fig = Figure(figsize=(9.0, 0.8 * len(contexts) + 1.8), layout="constrained")
+    ax = fig.add_subplot()
+    seen = set()
+    for y, context in enumerate(contexts):
+        left = 0.0
+        for stage, nbytes, _ in real_size_stages(context, batch):
+            mb = nbytes / 1e6
+            ax.barh(y, mb, left=left, height=0.55, color=STAGE_COLORS[stage], edgecolor="white",
+                    label=None if stage in seen else stage)
+            seen.add(stage)
+            if mb / max(left + mb, 1e-9) > 0.08:
+                ax.text(left + mb / 2, y, f"{mb:.2f}", ha="center", va="center", fontsize=8, color="white")
+            left += mb
+        ax.text(left, y, f"  {left:.2f} MB", va="center", fontsize=9)
+    ax.set_yticks(range(len(contexts)), [short_shape({"context": c}) for c in contexts])
+    ax.invert_yaxis()
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.15)
+    ax.set_xlabel(f"MB moved per decode step and layer (batch {batch}, {NUM_Q_HEADS} query / {NUM_KV_HEADS} KV heads, "
+                  f"128-token blocks, top-k {DEFAULT_TOPK}, bf16)")
+    ax.set_title("insert -> indexer scores -> top-k -> block table -> sparse attention: bytes per stage", loc="left",
+                 fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    return fig

@@ -9,6 +9,8 @@
   init/local forcing: which blocks forcing brings in and which it pushes out;
 * :func:`plot_mass_curve`: the share of a full softmax's attention mass the chosen
   blocks hold at each top-k, next to the best any selector could do;
+* :func:`agreement_text`: whether two selections (kernel and reference) pick the same
+  blocks, and whether their scores agree within a stated tolerance;
 * :func:`show_selection`: prints the table and returns heatmap + row, the widget's callback.
 
 Every function returns a :class:`matplotlib.figure.Figure` made without pyplot (nothing
@@ -106,6 +108,10 @@ def plot_pattern_gallery(items: Sequence[tuple[object, Selection]], head: int = 
     axes = fig.subplots(1, len(items), squeeze=False)[0]
     for ax, (seq, selection) in zip(axes, items):
         _draw_heatmap(ax, selection, head, seq.needle_block, f"{seq.pattern} (head {head}, top-{selection.topk})")
+        ax.tick_params(labelsize=10)
+        ax.xaxis.label.set_fontsize(11)
+        ax.yaxis.label.set_fontsize(11)
+        ax.title.set_fontsize(11)
     return fig
 
 
@@ -138,7 +144,7 @@ def _draw_row(ax, selection: Selection, row: int, head: int, title: str) -> None
     valid = position // SPARSE_BLOCK_SIZE + 1
     raw = selection.scores[head, row, :valid].numpy().astype(float)
     finite = raw[np.isfinite(raw)]
-    floor = (finite.min() - 1.0) if finite.size else 0.0
+    floor = min(0.0, finite.min() - 1.0) if finite.size else 0.0  # bars start at 0 unless scores go below
     heights = np.where(np.isfinite(raw), raw, floor)
     ids = [b for b in selection.topk_idx[head, row].tolist() if b >= 0]
     forced = selection.forced_mask()[row].numpy()
@@ -254,6 +260,29 @@ def mass_text(curves: MassCurve | Sequence[MassCurve]) -> str:
     return "\n".join(lines)
 
 
+SCORE_TOLERANCE = 1e-4
+"""Absolute difference allowed between two computations of the same fp32 block score. The
+scores of the demo sequences are below 100, where fp32 spacing is under 1e-5; the order of
+the additions (CPU, BLAS, thread count, GPU) moves a score by a few of those."""
+
+
+def agreement_text(selection: Selection, reference: Selection, atol: float = SCORE_TOLERANCE) -> str:
+    """Two lines: the top-k ids compared exactly, the scores against ``atol``.
+
+    A printed difference would depend on the machine; the comparison does not. Scores that
+    are ``-inf`` in both (masked blocks) agree.
+    """
+    same_ids = bool(np.array_equal(np.asarray(selection.topk_idx), np.asarray(reference.topk_idx)))
+    a = np.asarray(selection.scores, dtype=np.float64)
+    b = np.asarray(reference.scores, dtype=np.float64)
+    close = a.shape == b.shape
+    if close:
+        with np.errstate(invalid="ignore"):  # -inf - -inf is NaN: both masked, handled beside it
+            close = bool(np.all((np.isneginf(a) & np.isneginf(b)) | (np.abs(a - b) <= atol)))
+    return (f"kernel == reference (top-k ids): {same_ids}\n"
+            f"scores agree with the reference within {atol:g}: {close}")
+
+
 # --- the widget's callback --------------------------------------------------------------------
 
 
@@ -272,6 +301,13 @@ def show_selection(pattern: str = "needle", topk: int = 4, init_blocks: int = 0,
 
     The heatmap's rows are ``rows`` positions spread over the sequence plus ``query_position``.
     """
+    from .._checks import check_int
+
+    check_int("topk", topk, minimum=1)
+    check_int("init_blocks", init_blocks, minimum=0)
+    check_int("local_blocks", local_blocks, minimum=0)
+    check_int("query_position", query_position, minimum=0)
+    check_int("head", head, minimum=0)
     seq = demo_sequence(pattern, seq_len, seed)
     if not 0 <= query_position < seq.seq_len:
         raise ValueError(f"query_position: expected 0 <= query_position < {seq.seq_len}, got {query_position}")

@@ -1,0 +1,487 @@
+"""Plans (SPEC section 8): one MSA layer step with its shapes fixed, validated once, allocated once.
+
+:func:`mm3lab.msa_decode` / :func:`mm3lab.msa_prefill` check every argument and allocate
+their outputs and intermediates on each call. A serving loop calls the same layer with
+the same shapes thousands of times; a *plan* does that work once::
+
+    plan = mm3lab.MSADecodePlan(k_cache, v_cache, index_cache, batch=16, max_blocks=1024,
+                                num_q_heads=64, topk=16)
+    out = plan.run(q, key, value, index_q, index_k, k_cache, v_cache, index_cache,
+                   block_table, seq_lens)
+
+At construction the plan fixes the shapes (rows, heads, head dims, block-table width),
+the dtypes, the cache layout and the selection (``topk``, ``init_blocks``,
+``local_blocks``), checks all of it, and allocates every buffer of the step. Then:
+
+* ``run(...)`` checks only tensor metadata against the plan (no device work), runs
+  the value checks while validation is on (:func:`mm3lab.validation`; skipped while a
+  CUDA graph is being captured), and launches the step's kernels into the plan's
+  buffers: rows and slots, index-cache insert, KV write, indexer scores, fused
+  top-k + sparse block table, attention. It allocates nothing, so it can be
+  captured in the caller's own ``torch.cuda.graph``.
+* With ``graph=True`` (CUDA only) the plan captures that launch sequence in its own
+  CUDA graph on the first ``run`` and replays it afterwards: inputs are copied into
+  the plan's static buffers, so their addresses never matter. Only tensor *values*
+  may change between runs: ``seq_lens`` (or positions), the block table, the caches'
+  contents, padded rows (a decode request with ``seq_len = 0`` or a prefill row with a
+  negative position). A different shape, dtype or device raises ``ValueError`` /
+  ``TypeError``; a cache with a new address is captured again. A stale graph is never
+  replayed.
+
+The output is bit-identical to the one-shot function on the same inputs. It is the
+plan's own buffer (``plan.out``), overwritten by the next ``run``: clone it to keep it.
+The step's intermediates stay readable after a run: ``plan.slots``, ``plan.scores``,
+``plan.topk_idx``, ``plan.sparse_bt``, ``plan.sparse_ctx``, ``plan.lse``.
+
+When to use which: one-shot calls for notebooks and experiments (shapes change from
+call to call); a plan for a loop over the same shapes, eager (``graph=False``) when
+the caller captures its own graph or cannot, ``graph=True`` to get graph-replay
+speed without writing the capture.
+
+On a backend where a step takes the PyTorch path (``mm3lab.set_backend("torch")``,
+bfloat16 in the interpreter, float32 with more than 16 index heads on a GPU), ``run``
+calls the one-shot function (same answer, allocations included) and ``graph=True`` is
+rejected at construction. On the CPU, ``graph=True`` is rejected too: there are no CUDA
+graphs to capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backend
+from ._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_int,
+    check_same_device,
+    check_tensor,
+    dtype_name,
+    validation_enabled,
+)
+from .rows import rows_and_slots
+from .constants import DEFAULT_TOPK, PAGES_PER_SPARSE_BLOCK
+from .index_cache.checks import check_index_cache
+from .layout.views import check_kv_views
+
+__all__ = ["MSADecodePlan", "MSAPrefillPlan"]
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _fingerprint(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr())
+
+
+class _MSAPlan:
+    """What decode and prefill plans share; see the module docstring."""
+
+    _prefill = False
+
+    def __init__(
+        self, k_cache, v_cache, index_cache, *, rows: int, batch: int, max_blocks: int, num_q_heads: int,
+        decode_query_len: int, topk: int, init_blocks: int, local_blocks: int, scale, id_dtype, graph: bool,
+    ):
+        stride = check_kv_views(k_cache, v_cache)
+        check_index_cache(index_cache)
+        device = check_same_device(k_cache=k_cache, index_cache=index_cache)
+        self.batch = check_int("batch", batch, minimum=1)
+        self.max_blocks = check_int("max_blocks", max_blocks, minimum=1)
+        self.num_q_heads = check_int("num_q_heads", num_q_heads, minimum=1)
+        self.decode_query_len = check_int("decode_query_len", decode_query_len, minimum=1)
+        self.rows = check_int("rows", rows, minimum=1)
+        self.topk = check_int("topk", topk, minimum=1)
+        self.init_blocks = check_int("init_blocks", init_blocks, minimum=0)
+        self.local_blocks = check_int("local_blocks", local_blocks, minimum=0)
+        if id_dtype not in INDEX_DTYPES:
+            raise TypeError(f"id_dtype: expected torch.int32 or torch.int64, got {id_dtype}")
+        if not isinstance(graph, bool):
+            raise TypeError(f"graph: expected a bool, got {type(graph).__name__}")
+        _, _, hkv, d = k_cache.shape
+        if num_q_heads % hkv:
+            raise ValueError(f"num_q_heads: {num_q_heads} query heads are not a multiple of the cache's {hkv} KV heads")
+        kv_blocks = k_cache.shape[0] // stride
+        if kv_blocks < index_cache.shape[0]:
+            raise ValueError(
+                f"index_cache: {index_cache.shape[0]} blocks, but the KV cache holds only {kv_blocks}; a plan "
+                "needs a KV cache at least as large (both caches take the same slot of each token)"
+            )
+        if scale is None:
+            scale = d ** -0.5
+        elif isinstance(scale, (bool, torch.Tensor)) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
+        self.scale = float(scale)
+        self.block_page_stride = stride
+        self.device = device
+        self.dtype, self.index_dtype, self.id_dtype = k_cache.dtype, index_cache.dtype, id_dtype
+        self.num_kv_heads, self.head_dim, self.index_dim = hkv, d, index_cache.shape[2]
+        self.uses_kernels = self._kernels_apply(k_cache, index_cache)
+        if graph and device.type != "cuda":
+            raise ValueError("graph=True: CUDA graphs need a CUDA device; on the CPU use graph=False (same API)")
+        if graph and not self.uses_kernels:
+            raise ValueError(
+                "graph=True: this plan runs the PyTorch path (backend "
+                f"{backend.get_backend()!r}, dtype {dtype_name(self.dtype)}/{dtype_name(self.index_dtype)}), "
+                "which allocates per call; use graph=False"
+            )
+        self.graph = graph
+        self._caches = (k_cache, v_cache, index_cache)
+        self._cache_prints = tuple(_fingerprint(t) for t in self._caches)
+        self._allocate()
+        self._cuda_graph = None
+        self._captured_with = None
+
+    # --- construction ----------------------------------------------------------------------
+
+    def _kernels_apply(self, k_cache, index_cache) -> bool:
+        # the rules of the entry points the plan launches (SPEC 7), logged and recorded under the plan's name
+        fallback = backend.bf16_interpreted(k_cache.dtype) or backend.bf16_interpreted(index_cache.dtype)
+        if index_cache.dtype == torch.float32 and k_cache.shape[2] > 16 and not backend.INTERPRETER:
+            fallback = "fp32-wide-index-heads"
+        return backend.use_kernel(k_cache, index_cache, entry_point=type(self).__name__, fallback=fallback)
+
+    def _allocate(self) -> None:
+        n, b, m, h, dev = self.rows, self.batch, self.max_blocks, self.num_kv_heads, self.device
+        hq, d, di, k = self.num_q_heads, self.head_dim, self.index_dim, self.topk
+        i32 = {"dtype": torch.int32, "device": dev}
+        self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.scores = torch.empty(h, n, m, dtype=torch.float32, device=dev)
+        self.topk_idx = torch.empty(h, n, k, **i32)
+        self.sparse_bt = torch.empty(h, n, k * PAGES_PER_SPARSE_BLOCK, **i32)
+        self.sparse_ctx = torch.empty(h, n, **i32)
+        self.out = torch.empty(n, hq, d, dtype=self.dtype, device=dev)
+        self.lse = torch.empty(n, hq, dtype=torch.float32, device=dev)
+        self.workspace = None
+        if self.uses_kernels:
+            from .attention.kernel import num_splits
+
+            splits = num_splits(n, hq, h, d, k * PAGES_PER_SPARSE_BLOCK, dev)
+            if splits > 1:
+                self.workspace = (
+                    torch.empty(n, hq, splits, d, dtype=torch.float32, device=dev),
+                    torch.empty(n, hq, splits, dtype=torch.float32, device=dev),
+                )
+        if self._prefill:
+            self.req = self.pos = None  # the caller's (eager) or the static copies (graph)
+        else:
+            self.req = torch.empty(n, **i32)
+            self.pos = torch.empty(n, **i32)
+        self._static = None
+        if self.graph:
+            kv = {"dtype": self.dtype, "device": dev}
+            static = {
+                "q": torch.zeros(n, hq, d, **kv),
+                "key": torch.zeros(n, h, d, **kv),
+                "value": torch.zeros(n, h, d, **kv),
+                "index_q": torch.zeros(n, h, di, dtype=self.index_dtype, device=dev),
+                "index_k": torch.zeros(n, di, dtype=self.index_dtype, device=dev),
+                "block_table": torch.zeros(b, m, dtype=self.id_dtype, device=dev),
+            }
+            if self._prefill:
+                static["query_req_id"] = torch.zeros(n, dtype=self.id_dtype, device=dev)
+                static["query_abs_pos"] = torch.full((n,), -1, dtype=self.id_dtype, device=dev)
+            else:
+                static["seq_lens"] = torch.zeros(b, dtype=self.id_dtype, device=dev)
+            self._static = static
+
+    # --- per run -----------------------------------------------------------------------------
+
+    def _expected(self) -> dict:
+        n, b, m, h = self.rows, self.batch, self.max_blocks, self.num_kv_heads
+        hq, d, di = self.num_q_heads, self.head_dim, self.index_dim
+        spec = {
+            "q": ((n, hq, d), self.dtype), "key": ((n, h, d), self.dtype), "value": ((n, h, d), self.dtype),
+            "index_q": ((n, h, di), self.index_dtype), "index_k": ((n, di), self.index_dtype),
+            "block_table": ((b, m), self.id_dtype),
+        }
+        if self._prefill:
+            spec["query_req_id"] = ((n,), self.id_dtype)
+            spec["query_abs_pos"] = ((n,), self.id_dtype)
+        else:
+            spec["seq_lens"] = ((b,), self.id_dtype)
+        return spec
+
+    def _check_inputs(self, inputs: dict, caches) -> None:
+        """Metadata only (no device work): every input as planned."""
+        kind = type(self).__name__
+        for name, (shape, dtype) in self._expected().items():
+            t = inputs[name]
+            check_tensor(name, t, dtypes=FLOAT_DTYPES if dtype.is_floating_point else INDEX_DTYPES)
+            if tuple(t.shape) != shape:
+                raise ValueError(
+                    f"{name}: the {kind} was planned for shape {shape}, got {tuple(t.shape)}; "
+                    "build a new plan for new shapes"
+                )
+            if t.dtype != dtype:
+                raise TypeError(
+                    f"{name}: the {kind} was planned for dtype {dtype_name(dtype)}, got {dtype_name(t.dtype)}"
+                )
+            if t.device != self.device:
+                raise ValueError(f"{name}: the {kind} was planned on {self.device}, got a tensor on {t.device}")
+        for name, t, planned in zip(("k_cache", "v_cache", "index_cache"), caches, self._cache_prints):
+            check_tensor(name, t)
+            got = _fingerprint(t)
+            if got[:4] != planned[:4]:
+                raise ValueError(
+                    f"{name}: the {kind} was planned for a cache of shape {planned[0]}, strides {planned[1]}, "
+                    f"{dtype_name(planned[2])} on {planned[3]}; got shape {got[0]}, strides {got[1]}, "
+                    f"{dtype_name(got[2])} on {got[3]}"
+                )
+
+    def _value_checks(self, inputs: dict) -> None:
+        raise NotImplementedError
+
+    def _one_shot(self, inputs: dict, caches):
+        raise NotImplementedError
+
+    def _launch(self, inputs: dict, caches) -> None:
+        """The step's kernels, into the plan's buffers (arguments already checked; allocates nothing)."""
+        from .attention.kernel import sparse_attention_kernel
+        from .index_cache.kernel import insert_index_cache_kernel
+        from .indexer.kernel import index_scores_kernel, topk_kernel
+        from .layout.kernel import write_kv_page16_kernel
+
+        k_cache, v_cache, index_cache = caches
+        bt = inputs["block_table"]
+        if self._prefill:
+            req, pos, dql, lens = inputs["query_req_id"], inputs["query_abs_pos"], 1, None
+            rows_and_slots(bt, req, pos, self.slots)
+        else:
+            lens, dql = inputs["seq_lens"], self.decode_query_len
+            req = pos = lens  # what the decode kernels read (rows are derived from seq_lens)
+            rows_and_slots(bt, self.req, self.pos, self.slots, seq_lens=lens, decode_query_len=dql)
+        insert_index_cache_kernel(inputs["index_k"], index_cache, self.slots)
+        write_kv_page16_kernel(inputs["key"], inputs["value"], k_cache, v_cache, self.slots, self.block_page_stride)
+        index_scores_kernel(
+            inputs["index_q"], index_cache, bt, req, pos, dql, self._prefill, self.init_blocks, self.local_blocks,
+            True, self.scores,
+        )
+        topk_kernel(
+            self.scores, self.topk, self.topk_idx, positions=2 if self._prefill else 1, req=req, pos=pos,
+            batch=self.batch, dql=dql, block_table=bt, block_page_stride=self.block_page_stride,
+            sparse_bt=self.sparse_bt, sparse_ctx=self.sparse_ctx,
+        )
+        sparse_attention_kernel(
+            inputs["q"], k_cache, v_cache, self.sparse_bt, self.sparse_ctx, self.scale, self.out, self.lse,
+            workspace=self.workspace,
+        )
+
+    def _run(self, inputs: dict, caches):
+        self._check_inputs(inputs, caches)
+        if validation_enabled() and not _capturing():
+            self._value_checks(inputs)
+        if not self.uses_kernels:
+            return self._one_shot(inputs, caches)
+        if not self.graph:
+            self._launch(inputs, caches)
+            return self.out
+        static = self._static
+        for name, t in inputs.items():
+            static[name].copy_(t)
+        if self._prefill:
+            self.req, self.pos = static["query_req_id"], static["query_abs_pos"]
+        prints = tuple(_fingerprint(t) for t in caches)
+        if self._cuda_graph is None or self._captured_with != prints:
+            self._capture(caches)
+            self._captured_with = prints
+        self._cuda_graph.replay()
+        return self.out
+
+    def _capture(self, caches) -> None:
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm up: compile every kernel outside the capture
+            self._launch(self._static, caches)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._launch(self._static, caches)
+        self._cuda_graph = graph
+
+    def stages(self, inputs: dict, caches) -> dict:
+        """The step's launches one by one, as zero-argument callables (for per-stage timing).
+
+        ``insert`` (rows and slots, index-cache insert, KV write), ``indexer_scores``, ``topk``
+        (top-k alone), ``block_table`` (the sparse block table from ``plan.topk_idx``),
+        ``topk_block_table`` (the fused launch the step runs), ``attention``. Each writes the
+        plan's buffers and allocates nothing; inputs are not checked.
+        """
+        if not self.uses_kernels:
+            raise ValueError("stages: this plan runs the PyTorch path; its steps are not separate launches")
+        from .attention.kernel import sparse_attention_kernel
+        from .block_table.kernel import build_sparse_block_table_decode_kernel, build_sparse_block_table_prefill_kernel
+        from .index_cache.kernel import insert_index_cache_kernel
+        from .indexer.kernel import index_scores_kernel, topk_kernel
+        from .layout.kernel import write_kv_page16_kernel
+
+        k_cache, v_cache, index_cache = caches
+        bt = inputs["block_table"]
+        if self._prefill:
+            req, pos, dql = inputs["query_req_id"], inputs["query_abs_pos"], 1
+            rows = lambda: rows_and_slots(bt, req, pos, self.slots)
+            table = lambda: build_sparse_block_table_prefill_kernel(
+                self.topk_idx, bt, req, pos, self.block_page_stride, self.sparse_bt, self.sparse_ctx)
+        else:
+            lens, dql = inputs["seq_lens"], self.decode_query_len
+            req = pos = lens
+            rows = lambda: rows_and_slots(bt, self.req, self.pos, self.slots, seq_lens=lens, decode_query_len=dql)
+            table = lambda: build_sparse_block_table_decode_kernel(
+                self.topk_idx, bt, lens, dql, self.block_page_stride, self.sparse_bt, self.sparse_ctx)
+        positions = 2 if self._prefill else 1
+
+        def insert():
+            rows()
+            insert_index_cache_kernel(inputs["index_k"], index_cache, self.slots)
+            write_kv_page16_kernel(inputs["key"], inputs["value"], k_cache, v_cache, self.slots, self.block_page_stride)
+
+        return {
+            "insert": insert,
+            "indexer_scores": lambda: index_scores_kernel(
+                inputs["index_q"], index_cache, bt, req, pos, dql, self._prefill, self.init_blocks,
+                self.local_blocks, True, self.scores),
+            "topk": lambda: topk_kernel(
+                self.scores, self.topk, self.topk_idx, positions=positions, req=req, pos=pos, batch=self.batch,
+                dql=dql),
+            "block_table": table,
+            "topk_block_table": lambda: topk_kernel(
+                self.scores, self.topk, self.topk_idx, positions=positions, req=req, pos=pos, batch=self.batch,
+                dql=dql, block_table=bt, block_page_stride=self.block_page_stride, sparse_bt=self.sparse_bt,
+                sparse_ctx=self.sparse_ctx),
+            "attention": lambda: sparse_attention_kernel(
+                inputs["q"], k_cache, v_cache, self.sparse_bt, self.sparse_ctx, self.scale, self.out, self.lse,
+                workspace=self.workspace),
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(rows={self.rows}, batch={self.batch}, max_blocks={self.max_blocks}, "
+            f"heads={self.num_q_heads}/{self.num_kv_heads}, head_dim={self.head_dim}, index_dim={self.index_dim}, "
+            f"dtype={dtype_name(self.dtype)}, topk={self.topk}, block_page_stride={self.block_page_stride}, "
+            f"graph={self.graph}, kernels={self.uses_kernels})"
+        )
+
+
+class MSADecodePlan(_MSAPlan):
+    """A planned :func:`mm3lab.msa_decode` (SPEC section 8); see :mod:`mm3lab.plan`.
+
+    Args:
+        k_cache, v_cache: page-16 views of the KV cache (dense or packed); fix ``Hkv``, ``D``,
+            the dtype, the layout and the device.
+        index_cache: ``[num_blocks, 128, Di]``; fixes ``Di`` and the index dtype.
+        batch: requests ``B`` (``N = B * decode_query_len`` rows).
+        max_blocks: block-table width ``M`` (``seq_len <= M * 128``).
+        num_q_heads: ``Hq``, a multiple of ``Hkv``.
+        decode_query_len, topk, init_blocks, local_blocks, scale: as :func:`mm3lab.msa_decode`.
+        id_dtype: dtype of ``block_table`` and ``seq_lens`` (int32 or int64).
+        graph: capture and replay a CUDA graph (CUDA only).
+    """
+
+    def __init__(
+        self, k_cache, v_cache, index_cache, *, batch: int, max_blocks: int, num_q_heads: int,
+        decode_query_len: int = 1, topk: int = DEFAULT_TOPK, init_blocks: int = 0, local_blocks: int = 1,
+        scale: float | None = None, id_dtype: torch.dtype = torch.int32, graph: bool = False,
+    ):
+        check_int("batch", batch, minimum=1)
+        check_int("decode_query_len", decode_query_len, minimum=1)
+        super().__init__(
+            k_cache, v_cache, index_cache, rows=batch * decode_query_len, batch=batch, max_blocks=max_blocks,
+            num_q_heads=num_q_heads, decode_query_len=decode_query_len, topk=topk, init_blocks=init_blocks,
+            local_blocks=local_blocks, scale=scale, id_dtype=id_dtype, graph=graph,
+        )
+
+    def _value_checks(self, inputs: dict) -> None:
+        from .indexer.checks import check_decode
+
+        check_decode(
+            inputs["index_q"], self._caches[2], inputs["block_table"], inputs["seq_lens"], self.topk,
+            self.decode_query_len, self.init_blocks, self.local_blocks,
+        )
+
+    def _one_shot(self, inputs: dict, caches):
+        from .msa import msa_decode
+
+        k_cache, v_cache, index_cache = caches
+        return msa_decode(
+            inputs["q"], inputs["key"], inputs["value"], inputs["index_q"], inputs["index_k"], k_cache, v_cache,
+            index_cache, inputs["block_table"], inputs["seq_lens"], decode_query_len=self.decode_query_len,
+            topk=self.topk, init_blocks=self.init_blocks, local_blocks=self.local_blocks, scale=self.scale,
+        )
+
+    @staticmethod
+    def _inputs(q, key, value, index_q, index_k, block_table, seq_lens) -> dict:
+        return {"q": q, "key": key, "value": value, "index_q": index_q, "index_k": index_k, "block_table": block_table,
+                    "seq_lens": seq_lens}
+
+    def run(self, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, seq_lens):
+        """One decode step, arguments as :func:`mm3lab.msa_decode`; returns ``plan.out [N, Hq, D]``."""
+        return self._run(self._inputs(q, key, value, index_q, index_k, block_table, seq_lens),
+                         (k_cache, v_cache, index_cache))
+
+    def stages(self, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, seq_lens):
+        """The step's launches as callables; see :meth:`_MSAPlan.stages`."""
+        inputs = self._inputs(q, key, value, index_q, index_k, block_table, seq_lens)
+        self._check_inputs(inputs, (k_cache, v_cache, index_cache))
+        return super().stages(inputs, (k_cache, v_cache, index_cache))
+
+
+class MSAPrefillPlan(_MSAPlan):
+    """A planned :func:`mm3lab.msa_prefill` (SPEC section 8); see :mod:`mm3lab.plan`.
+
+    Args: as :class:`MSADecodePlan`, with ``num_tokens`` (rows ``N`` of a chunk; pad shorter
+    chunks with rows at a negative position) in place of ``decode_query_len``; ``batch`` is the
+    block table's rows. ``id_dtype`` is also the dtype of ``query_req_id`` / ``query_abs_pos``.
+    """
+
+    _prefill = True
+
+    def __init__(
+        self, k_cache, v_cache, index_cache, *, num_tokens: int, batch: int, max_blocks: int, num_q_heads: int,
+        topk: int = DEFAULT_TOPK, init_blocks: int = 0, local_blocks: int = 1, scale: float | None = None,
+        id_dtype: torch.dtype = torch.int32, graph: bool = False,
+    ):
+        super().__init__(
+            k_cache, v_cache, index_cache, rows=num_tokens, batch=batch, max_blocks=max_blocks,
+            num_q_heads=num_q_heads, decode_query_len=1, topk=topk, init_blocks=init_blocks,
+            local_blocks=local_blocks, scale=scale, id_dtype=id_dtype, graph=graph,
+        )
+
+    def _value_checks(self, inputs: dict) -> None:
+        from .indexer.checks import check_prefill
+
+        check_prefill(
+            inputs["index_q"], self._caches[2], inputs["block_table"], inputs["query_req_id"],
+            inputs["query_abs_pos"], self.topk, self.init_blocks, self.local_blocks,
+        )
+
+    def _one_shot(self, inputs: dict, caches):
+        from .msa import msa_prefill
+
+        k_cache, v_cache, index_cache = caches
+        return msa_prefill(
+            inputs["q"], inputs["key"], inputs["value"], inputs["index_q"], inputs["index_k"], k_cache, v_cache,
+            index_cache, inputs["block_table"], inputs["query_req_id"], inputs["query_abs_pos"],
+            topk=self.topk, init_blocks=self.init_blocks, local_blocks=self.local_blocks, scale=self.scale,
+        )
+
+    @staticmethod
+    def _inputs(q, key, value, index_q, index_k, block_table, query_req_id, query_abs_pos) -> dict:
+        return {"q": q, "key": key, "value": value, "index_q": index_q, "index_k": index_k, "block_table": block_table,
+                    "query_req_id": query_req_id, "query_abs_pos": query_abs_pos}
+
+    def run(self, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, query_req_id,
+            query_abs_pos):
+        """One prefill step, arguments as :func:`mm3lab.msa_prefill`; returns ``plan.out [N, Hq, D]``."""
+        inputs = self._inputs(q, key, value, index_q, index_k, block_table, query_req_id, query_abs_pos)
+        if not self.graph:
+            self.req, self.pos = query_req_id, query_abs_pos
+        return self._run(inputs, (k_cache, v_cache, index_cache))
+
+    def stages(self, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, query_req_id,
+               query_abs_pos):
+        """The step's launches as callables; see :meth:`_MSAPlan.stages`."""
+        inputs = self._inputs(q, key, value, index_q, index_k, block_table, query_req_id, query_abs_pos)
+        self._check_inputs(inputs, (k_cache, v_cache, index_cache))
+        return super().stages(inputs, (k_cache, v_cache, index_cache))
+

@@ -1,0 +1,273 @@
+"""The tiled prefill kernel agrees with the page-walking and dense-masked references.
+
+Same cases and tolerances as ``test_attention.py`` (decode, speculative decode,
+prefill, both layouts, padded rows, ``ctx`` 0, duplicates, tails mid-page), run
+through ``sparse_attention(..., algorithm="tiled")``, plus prefill chunks of
+consecutive positions whose tiles share their selections at a chosen level, from
+fully shared to fully disjoint, and raw page lists with repeated pages.
+Every tile mode is checked: the per-tile rule, the union walk forced and the
+row-by-row walk forced.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_attention import (
+    MODES,
+    SHAPES,
+    TOLERANCE,
+    Case,
+    assert_lse_close,
+    build_table,
+    dtypes_for,
+    make_case,
+    run_dense,
+    run_reference,
+)
+
+import mm3lab
+from mm3lab.attention import choose_algorithm, tiled
+from mm3lab.constants import SPARSE_BLOCK_SIZE
+from mm3lab.testing import assert_close, poison
+
+TILE_MODES = ["auto", "union", "rows"]
+
+
+def run_tiled(case: Case, mode: str | None = None, **launch):
+    n, hq, d = case.q.shape
+    out = poison(torch.empty_like(case.q))
+    lse = poison(torch.empty(n, hq, dtype=torch.float32, device=case.q.device))
+    if mode is None and not launch:
+        return mm3lab.sparse_attention(
+            case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx,
+            return_lse=True, out=out, algorithm="tiled",
+        )
+    tiled.tiled_attention_kernel(
+        case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx, d ** -0.5, out, lse,
+        mode=mode or "auto", **launch,
+    )
+    return out, lse
+
+
+def check_tiled(case: Case, mode: str | None = None, dense: bool = True, **launch):
+    dtype = case.q.dtype
+    atol, rtol = TOLERANCE[dtype]
+    out_ref, lse_ref = run_reference(case)
+    out_t, lse_t = run_tiled(case, mode, **launch)
+    assert out_t.dtype == dtype
+    assert_close(out_t, out_ref, atol=atol, rtol=rtol, name=f"tiled ({mode}) vs reference")
+    assert_lse_close(lse_t, lse_ref, atol=max(atol, 1e-4), rtol=rtol)
+    if dense and dtype == torch.float32:
+        out_dense, _ = run_dense(case)
+        assert_close(out_t, out_dense, atol=atol, rtol=rtol, name="tiled vs dense-masked")
+
+
+def make_chunk_case(
+    *, layout, hkv, group, d, dtype, device, seq_lens, chunk, topk, overlap, seed, tile=8, pad_rows=0
+) -> Case:
+    """A prefill chunk: the last ``chunk[r]`` positions of request ``r``, rows consecutive.
+
+    Each run of ``tile`` rows draws one shared selection; each row keeps a shared
+    entry with probability ``overlap`` and otherwise picks its own block, so
+    ``overlap = 1`` shares everything and ``overlap = 0`` is independent per row.
+    """
+    base = make_case(
+        layout=layout, mode="decode", hkv=hkv, group=group, d=d, dtype=dtype, device=device,
+        seq_lens=seq_lens, topk=1, seed=seed,
+    )
+    g = torch.Generator().manual_seed(seed + 1)
+    req = torch.cat([torch.full((c,), r) for r, c in enumerate(chunk)] + [torch.zeros(pad_rows, dtype=torch.long)])
+    pos = torch.cat([torch.arange(s - c, s) for s, c in zip(seq_lens, chunk)] + [torch.full((pad_rows,), -1)])
+    n = req.shape[0]
+    width_blocks = base.block_table.shape[1]
+    topk_idx = torch.full((hkv, n, topk), -1, dtype=torch.int32)
+    for h in range(hkv):
+        shared = None
+        for i in range(n):
+            p = int(pos[i])
+            if i % tile == 0 or shared is None:
+                top = max(int(p) // SPARSE_BLOCK_SIZE, 0) + 1
+                shared = torch.randperm(min(top + 2, width_blocks), generator=g)[:topk].tolist()
+            if p < 0:
+                continue
+            self_blk = p // SPARSE_BLOCK_SIZE
+            row = []
+            for j in range(topk):
+                if torch.rand(1, generator=g) < overlap:
+                    row.append(shared[j] if j < len(shared) else -1)
+                else:
+                    row.append(int(torch.randint(0, min(self_blk + 2, width_blocks), (1,), generator=g)))
+            if torch.rand(1, generator=g) < 0.7:
+                row[0] = self_blk  # usually the local block; blocks past self_blk are dropped by the table
+            topk_idx[h, i] = torch.tensor(row, dtype=torch.int32)
+    req, pos = req.to(torch.int32), pos.to(torch.int32)
+    q = torch.randn(n, hkv * group, d, generator=g).to(dtype)
+    block_table = base.block_table.cpu()
+    sparse_bt, sparse_ctx = build_table(topk_idx, block_table, req, pos, base.cache.block_page_stride)
+    to = {"device": device}
+    return Case(
+        q.to(**to), base.key, base.value, base.cache, base.block_table, base.seq_lens,
+        topk_idx.to(**to), req.to(**to), pos.to(**to), sparse_bt.to(**to), sparse_ctx.to(**to),
+    )
+
+
+# ----------------------------------------------------------------------------
+# the cases of test_attention, through the tiled kernel
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+@pytest.mark.parametrize("mode,dql", MODES, ids=["decode", "spec_decode", "prefill"])
+@pytest.mark.parametrize("hkv,group,d", SHAPES, ids=lambda v: str(v))
+def test_tiled_matches_references(device, layout, mode, dql, hkv, group, d):
+    for dtype in dtypes_for(device):
+        case = make_case(
+            layout=layout, mode=mode, hkv=hkv, group=group, d=d, dtype=dtype, device=device,
+            seq_lens=[300, 1, 141], topk=3, seed=hkv * 100 + group * 10 + d, dql=dql or 1, rows=6, pad_rows=1,
+        )
+        check_tiled(case)
+
+
+@pytest.mark.parametrize("tile_mode", TILE_MODES)
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+@pytest.mark.parametrize("overlap", [1.0, 0.5, 0.0])
+def test_chunk_every_tile_mode(device, tile_mode, layout, overlap):
+    """Multi-request chunk (a request ending mid-page, one of length 1), padded rows."""
+    case = make_chunk_case(
+        layout=layout, hkv=2, group=4, d=32, dtype=torch.float32, device=device,
+        seq_lens=[263, 1, 150], chunk=[13, 1, 9], topk=3, overlap=overlap, seed=int(overlap * 10), pad_rows=2,
+    )
+    check_tiled(case, tile_mode, tile_rows=4)
+
+
+@pytest.mark.parametrize("tile_rows,pages", [(8, 1), (16, 2), (32, 4)])
+def test_tile_and_step_sizes(device, tile_rows, pages):
+    case = make_chunk_case(
+        layout="packed", hkv=1, group=2, d=16, dtype=torch.float16, device=device,
+        seq_lens=[333], chunk=[21], topk=4, overlap=0.7, seed=tile_rows,
+    )
+    check_tiled(case, "union", tile_rows=tile_rows, pages_per_step=pages)
+
+
+def test_ctx_zero_and_padded_rows_give_zeros(device):
+    cache = mm3lab.allocate_kv_cache(2, 2, 32, "dense", device=device, fill=float("nan"))
+    q = torch.randn(5, 4, 32, device=device)
+    bt = torch.zeros(2, 5, 8, dtype=torch.int32, device=device)
+    ctx = torch.zeros(2, 5, dtype=torch.int32, device=device)
+    for mode in TILE_MODES:
+        out = poison(torch.empty_like(q))
+        lse = poison(torch.empty(5, 4, device=device))
+        tiled.tiled_attention_kernel(q, cache.k_cache, cache.v_cache, bt, ctx, 0.2, out, lse, mode=mode)
+        assert torch.equal(out.cpu(), torch.zeros(5, 4, 32)), mode
+        assert torch.isinf(lse).all() and (lse < 0).all()
+
+
+@pytest.mark.parametrize("tile_mode", TILE_MODES)
+def test_raw_page_lists_with_repeats(device, tile_mode):
+    """A page list need not come from a block table: repeated pages (attended twice, as the
+    reference does), pages shared by some rows only, tails mid-page, pages outside the cache skipped
+    with validation off."""
+    g = torch.Generator().manual_seed(5)
+    hkv, group, d, n, width = 2, 2, 16, 9, 8
+    cache = mm3lab.allocate_kv_cache(2, hkv, d, "packed", device=device, fill=0.0)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g).to(device))
+    readable = min(cache.k_cache.shape[0], cache.v_cache.shape[0])
+    bt = torch.randint(0, 4, (hkv, n, width), generator=g, dtype=torch.int32)
+    bt[0, 0] = torch.tensor([3, 3, 3, 1, 2, 3, 0, 0], dtype=torch.int32)
+    bt[1, 4, 2] = readable + 3  # outside the cache: skipped
+    ctx = torch.randint(0, width * 16 + 1, (hkv, n), generator=g, dtype=torch.int32)
+    ctx[0, 1] = 0
+    q = torch.randn(n, hkv * group, d, generator=g).to(device)
+    bt, ctx = bt.to(device), ctx.to(device)
+    with mm3lab.validation(False):
+        expected, lse_e = mm3lab.reference.sparse_attention(q, cache.k_cache, cache.v_cache, bt, ctx, return_lse=True)
+        out = poison(torch.empty_like(q))
+        lse = poison(torch.empty(n, hkv * group, device=device))
+        tiled.tiled_attention_kernel(q, cache.k_cache, cache.v_cache, bt, ctx, d ** -0.5, out, lse, mode=tile_mode)
+    assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    assert_lse_close(lse, lse_e, 1e-4, 2e-5)
+
+
+def test_dispatch_rule():
+    from mm3lab.attention import TILED_MIN_ROWS, TILED_MIN_SHARE
+
+    assert choose_algorithm(1) == "rows"
+    assert choose_algorithm(TILED_MIN_ROWS - 1, share=1.0) == "rows"  # decode / spec decode batches
+    assert choose_algorithm(TILED_MIN_ROWS, share=TILED_MIN_SHARE) == "tiled"
+    assert choose_algorithm(TILED_MIN_ROWS, share=lambda: 0.1) == "rows"  # independent random selections
+    assert choose_algorithm(1, "tiled") == "tiled"
+    with pytest.raises(ValueError, match="algorithm"):
+        choose_algorithm(1, "flash")
+
+
+def test_neighbour_share():
+    blocks = torch.tensor([[[3, 5], [5, 3], [7, 9], [7, 9]]], dtype=torch.int32)  # slot starts, 1 head, 4 rows
+    bt = (blocks.repeat_interleave(8, -1) * 8 + torch.arange(8).repeat(2)).to(torch.int32)
+    ctx = torch.tensor([[256, 256, 256, 100]], dtype=torch.int32)  # the last row uses its first slot only
+    # row 1 shares 2 of 2, row 2 0 of 2, row 3 1 of 1
+    assert abs(float(tiled.neighbour_share(bt, ctx)) - 3 / 5) < 1e-6
+
+
+def test_tile_unions_lists_distinct_used_pages():
+    bt = torch.tensor([[[5, 6, 7, 9], [6, 2, 9, 9], [1, 1, 1, 1]]], dtype=torch.int32)
+    ctx = torch.tensor([[40, 64, 0]], dtype=torch.int32)  # 3 pages, 4 pages, none
+    union, count, row_pages = tiled.tile_unions(bt, ctx, num_pages=9, tile_rows=2)  # page 9 is outside
+    assert count.tolist() == [[4, 0]] and row_pages.tolist() == [[5, 0]]
+    assert union[0, 0, :4].tolist() == [2, 5, 6, 7] and (union[0, 0, 4:] == -1).all()
+
+
+# ----------------------------------------------------------------------------
+# overlap levels, property-based
+# ----------------------------------------------------------------------------
+
+
+@st.composite
+def chunk_cases(draw, device):
+    hkv = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    d = draw(st.sampled_from([16, 32, 48]))
+    b = draw(st.integers(1, 3))
+    seq_lens = draw(st.lists(st.integers(1, 400), min_size=b, max_size=b))
+    chunk = [draw(st.integers(1, min(s, 12))) for s in seq_lens]
+    return make_chunk_case(
+        layout=draw(st.sampled_from(["dense", "packed"])), hkv=hkv, group=group, d=d,
+        dtype=draw(st.sampled_from(dtypes_for(device))), device=device, seq_lens=seq_lens, chunk=chunk,
+        topk=draw(st.integers(1, 4)), overlap=draw(st.sampled_from([0.0, 0.25, 0.5, 0.9, 1.0])),
+        seed=draw(st.integers(0, 2**16)), tile=draw(st.sampled_from([2, 4, 8])), pad_rows=draw(st.integers(0, 2)),
+    )
+
+
+@settings(max_examples=20)
+@given(data=st.data())
+def test_property_overlap_cpu(data):
+    case = data.draw(chunk_cases("cpu"))
+    check_tiled(case, data.draw(st.sampled_from(TILE_MODES)), dense=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@settings(max_examples=40)
+@given(data=st.data())
+def test_property_overlap_cuda(data):
+    case = data.draw(chunk_cases("cuda"))
+    check_tiled(case, data.draw(st.sampled_from(TILE_MODES)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("overlap", [1.0, 0.6, 0.0])
+def test_model_shape_chunk_cuda(dtype, overlap):
+    """64 query heads, 4 KV heads, head dim 128, top-k 16: a 300-token chunk of two requests."""
+    case = make_chunk_case(
+        layout="packed", hkv=4, group=16, d=128, dtype=dtype, device="cuda", seq_lens=[3000, 1700],
+        chunk=[200, 100], topk=16, overlap=overlap, seed=3, tile=8,
+    )
+    for mode in TILE_MODES:
+        check_tiled(case, mode)
+    assert math.isfinite(float(run_tiled(case)[0].float().abs().max()))

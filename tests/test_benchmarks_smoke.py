@@ -1,0 +1,145 @@
+"""The benchmark harness on the CPU: every suite's code path with tiny shapes (``--dry-run``), the record
+schema, the timing helpers, and the FlexAttention block masks built from a selection."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+import mm3lab
+from benchmarks import __main__ as cli
+from benchmarks import suites
+from benchmarks.common import bench, num_sets, time_eager
+from mm3lab.constants import SPARSE_BLOCK_SIZE
+
+RECORD_KEYS = {"name", "gpu", "torch", "triton", "shape", "ms", "baseline", "baseline_ms", "speedup", "bytes",
+               "achieved_TBps", "fraction_of_copy_bw", "mode", "cv", "samples", "validation", "fallback"}
+
+
+def _main(argv) -> int:
+    previous = mm3lab.get_backend()
+    try:
+        return cli.main(argv)
+    finally:
+        mm3lab.set_backend(previous)
+
+
+def test_dry_run_covers_every_suite(tmp_path):
+    out = tmp_path / "dry.json"
+    rc = _main(["--dry-run", "--out", str(out), "--calls", "1", "--samples", "2"])
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    assert payload["meta"]["failures"] == {} and payload["meta"]["dry_run"] is True
+    assert "cold L2" in payload["meta"]["method"]
+    records = payload["records"]
+    names = {r["name"] for r in records}
+    assert {"sparse_attention", "attention_prefill", "block_table_decode", "indexer_decode", "topk",
+            "index_cache_insert", "msa_decode", "msa_decode_plan"} <= names
+    for r in records:
+        assert RECORD_KEYS <= set(r), r["name"]
+        assert r["mode"] == "eager" and r["samples"] == 2 and r["ms"] > 0
+        assert r["validation"] in (True, False)
+    baselines = {(r["name"], r["baseline"]) for r in records}
+    for want in [("sparse_attention", "dense_sdpa"), ("sparse_attention", "gather_sdpa"),
+                 ("sparse_attention", "flex_attention"), ("attention_prefill", "flex_attention"),
+                 ("msa_decode", "dense_sdpa"), ("msa_decode", "gather_sdpa"), ("topk", "torch_topk")]:
+        assert want in baselines
+    validation = {(r["name"], r["validation"]) for r in records}
+    assert ("msa_decode", True) in validation and ("msa_decode", False) in validation
+
+
+def test_stage_breakdown_runs_the_kernels(tmp_path):
+    out = tmp_path / "stages.json"
+    rc = _main(["--dry-run", "--backend", "interpret", "--only", "msa_decode_stages", "--out", str(out),
+                "--calls", "1", "--samples", "1"])
+    assert rc == 0
+    records = json.loads(out.read_text())["records"]
+    stages = [r["shape"]["stage"] for r in records if r["name"] == "msa_decode_stage"]
+    assert stages == [*suites.STAGES, "total"]
+
+
+def test_timing_helpers_keep_their_plain_signature():
+    calls = []
+    ms = bench(lambda: calls.append(1))
+    assert isinstance(ms, float) and ms >= 0 and calls
+    t = time_eager([lambda: None, lambda: None], calls=3, samples=3, device="cpu")
+    assert t.mode == "eager" and t.samples == 3 and t.cv >= 0
+    assert num_sets(1 << 40) == 1 and num_sets(1 << 20) == 8 and num_sets(100 << 20) == 3
+
+
+def _paged(batch, context, hkv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    m = math.ceil(context / SPARSE_BLOCK_SIZE)
+    cache = mm3lab.allocate_kv_cache(batch * m + 1, hkv, d, "dense")
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))
+    bt = torch.randperm(batch * m + 1, generator=g)[: batch * m].view(batch, m).to(torch.int32)
+    s = torch.arange(context)
+    blk, off = bt.long()[:, s // SPARSE_BLOCK_SIZE], s % SPARSE_BLOCK_SIZE  # [B, S]
+    kd = cache.kv[blk, 0, off].permute(0, 2, 1, 3).contiguous()  # [B, Hkv, S, D]
+    vd = cache.kv[blk, 1, off].permute(0, 2, 1, 3).contiguous()
+    return cache, bt, m, kd, vd, g
+
+
+def test_flex_decode_block_mask_matches_sparse_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    batch, context, hkv, hq, d, topk = 2, 300, 2, 4, 16, 2
+    cache, bt, m, kd, vd, g = _paged(batch, context, hkv, d)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    scores = torch.rand(hkv, batch, m, generator=g)
+    scores[..., m - 1] = 2.0
+    topk_idx = scores.topk(topk, dim=-1).indices.to(torch.int32)
+    q = torch.randn(batch, hq, d, generator=g)
+    with mm3lab.use_backend("torch"):
+        sbt, sctx = mm3lab.build_sparse_block_table_decode(topk_idx, bt, seq_lens)
+        want = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx)
+    mask_mod = suites.flex_selection_mask_mod(topk_idx, seq_lens, hq // hkv, m)
+    mask = suites.flex_decode_inputs(topk_idx, mask_mod, hq // hkv, m, context)
+    with _no_warning_check():
+        got = flex_attention(q.view(batch, hq, 1, d), kd, vd, block_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got.view(batch, hq, d), want, atol=1e-5, rtol=1e-5)
+    err = suites.check_flex_decode(got, q, kd, vd, topk_idx, seq_lens, d ** -0.5)
+    assert err < 1e-5
+    # the causal-only mask (used compiled, where only listed blocks are visited) is the selection's block list
+    causal = suites.flex_decode_inputs(topk_idx, suites.flex_causal(seq_lens), hq // hkv, m, context)
+    assert torch.equal(causal.kv_num_blocks, mask.kv_num_blocks) and torch.equal(causal.kv_indices, mask.kv_indices)
+
+
+def test_flex_prefill_block_mask_matches_sparse_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    context, chunk, hkv, hq, d, topk = 300, 128, 2, 4, 16, 2
+    cache, bt, m, kd, vd, g = _paged(1, context, hkv, d, seed=1)
+    pos0 = context - chunk
+    pos = torch.arange(pos0, context, dtype=torch.int32)
+    req = torch.zeros(chunk, dtype=torch.int32)
+    self_blk = pos.long() // SPARSE_BLOCK_SIZE
+    scores = torch.rand(hkv, chunk, m, generator=g)
+    scores = scores.masked_fill(torch.arange(m) > self_blk.view(1, -1, 1), -1.0)
+    scores.scatter_(2, self_blk.view(1, -1, 1).expand(hkv, -1, 1), 2.0)
+    topk_idx = scores.topk(topk, dim=-1).indices.to(torch.int32)
+    topk_idx = torch.where(scores.gather(2, topk_idx.long()) < 0, -1, topk_idx)  # not a candidate: padding
+    q = torch.randn(chunk, hq, d, generator=g)
+    with mm3lab.use_backend("torch"):
+        sbt, sctx = mm3lab.build_sparse_block_table_prefill(topk_idx, bt, req, pos)
+        want = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx)
+    mask = suites.flex_prefill_inputs(topk_idx, pos0, hq // hkv, m, context)
+    with _no_warning_check():
+        got = flex_attention(q.permute(1, 0, 2).unsqueeze(0).contiguous(), kd, vd, block_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got[0].permute(1, 0, 2), want, atol=1e-5, rtol=1e-5)
+
+
+class _no_warning_check:
+    """(flex_attention warns that it is not compiled on the CPU; the warning is expected here.)"""
+
+    def __enter__(self):
+        import warnings
+
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        warnings.simplefilter("ignore")
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)

@@ -1,0 +1,211 @@
+"""SPEC section 8: plans. Bit-identical to the one-shot functions, shapes fixed, graphs on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mm3lab
+from mm3lab.rows import rows_and_slots
+from mm3lab.index_cache import token_slots
+from mm3lab.msa import decode_query_rows, synthetic_layer
+
+DT = torch.float32  # the interpreter's bf16 arithmetic is inexact; fp32 runs the kernels everywhere
+
+
+def _layer(device, batch=2, context=300, dql=1, layout="packed", seed=0):
+    return synthetic_layer(context, batch=batch, num_kv_heads=2, group_size=2, head_dim=16, index_dim=16,
+                           layout=layout, decode_query_len=dql, dtype=DT, device=device, seed=seed)
+
+
+def _clone_caches(layer):
+    kv = layer.cache.kv.clone()
+    views = mm3lab.page16_views(kv)
+    return kv, views[0], views[1], layer.index_cache.clone()
+
+
+def _decode_plan(layer, **kw):
+    return mm3lab.MSADecodePlan(
+        layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, batch=layer.block_table.shape[0],
+        max_blocks=layer.block_table.shape[1], num_q_heads=layer.q.shape[1],
+        decode_query_len=layer.decode_query_len, **kw)
+
+
+def _run_args(layer, k_cache=None, v_cache=None, index_cache=None, seq_lens=None):
+    return (layer.q, layer.key, layer.value, layer.index_q, layer.index_k,
+            layer.cache.k_cache if k_cache is None else k_cache, layer.cache.v_cache if v_cache is None else v_cache,
+            layer.index_cache if index_cache is None else index_cache, layer.block_table,
+            layer.seq_lens if seq_lens is None else seq_lens)
+
+
+@pytest.mark.parametrize("layout,dql,topk", [("packed", 1, 2), ("dense", 2, 3)])
+def test_decode_plan_is_bit_identical_to_msa_decode(device, layout, dql, topk):
+    layer = _layer(device, layout=layout, dql=dql)
+    kv, kc, vc, ic = _clone_caches(layer)
+    want = mm3lab.msa_decode(*_run_args(layer, kc, vc, ic), decode_query_len=dql, topk=topk)
+    plan = _decode_plan(layer, topk=topk)
+    assert plan.uses_kernels
+    got = plan.run(*_run_args(layer))
+    assert torch.equal(got, want)
+    assert torch.equal(layer.cache.kv, kv) and torch.equal(layer.index_cache, ic)  # same cache writes
+    req, pos = decode_query_rows(layer.seq_lens, dql)
+    assert torch.equal(plan.req, req) and torch.equal(plan.pos, pos)
+    assert torch.equal(plan.slots, token_slots(layer.block_table, req, pos))
+
+
+def test_decode_plan_follows_seq_lens_without_replanning(device):
+    layer = _layer(device, batch=3, context=400)
+    plan = _decode_plan(layer, topk=2)
+    for lens in ([400, 437, 474], [129, 1, 300], [0, 200, 0]):  # 0: a padded request (row position -1)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        _, kc, vc, ic = _clone_caches(layer)
+        want = mm3lab.msa_decode(*_run_args(layer, kc, vc, ic, seq_lens), topk=2)
+        got = plan.run(*_run_args(layer, seq_lens=seq_lens))
+        assert torch.equal(got, want), lens
+        assert torch.equal(plan.pos, torch.tensor([p - 1 if p else -1 for p in lens], dtype=torch.int32,
+                                                   device=device))
+
+
+def test_prefill_plan_is_bit_identical_with_padded_rows(device):
+    layer = _layer(device, batch=2, context=260)
+    req = torch.tensor([0, 0, 1, 1, 0], dtype=torch.int32, device=device)
+    pos = torch.tensor([255, 258, 100, -1, 259], dtype=torch.int32, device=device)
+    n = req.shape[0]
+    g = torch.Generator().manual_seed(3)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=DT)
+
+    q, key, value = rnd(n, 4, 16), rnd(n, 2, 16), rnd(n, 2, 16)
+    index_q, index_k = rnd(n, 2, 16), rnd(n, 16)
+    _, kc, vc, ic = _clone_caches(layer)
+    want = mm3lab.msa_prefill(q, key, value, index_q, index_k, kc, vc, ic, layer.block_table, req, pos, topk=2)
+    plan = mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, num_tokens=n,
+                                 batch=2, max_blocks=layer.block_table.shape[1], num_q_heads=4, topk=2)
+    got = plan.run(q, key, value, index_q, index_k, layer.cache.k_cache, layer.cache.v_cache, layer.index_cache,
+                   layer.block_table, req, pos)
+    assert torch.equal(got, want)
+    assert torch.equal(plan.slots, token_slots(layer.block_table, req, pos))
+    assert int(plan.slots[3]) == -1 and bool((plan.topk_idx[:, 3] == -1).all())
+
+
+def test_wrong_shape_dtype_or_cache_after_planning_is_rejected(device):
+    layer = _layer(device)
+    plan = _decode_plan(layer, topk=2)
+    args = list(_run_args(layer))
+    with pytest.raises(ValueError, match="q: the MSADecodePlan was planned for shape"):
+        plan.run(layer.q[:1], *args[1:])
+    with pytest.raises(TypeError, match="seq_lens: .*planned for dtype int32"):
+        plan.run(*args[:-1], layer.seq_lens.long())
+    with pytest.raises(ValueError, match="block_table: .*planned for shape"):
+        plan.run(*args[:8], layer.block_table[:, :-1], args[9])
+    other = mm3lab.allocate_kv_cache(layer.cache.kv.shape[0] + 1, 2, 16, "packed", dtype=DT, device=device)
+    with pytest.raises(ValueError, match="k_cache: .*planned for a cache of shape"):
+        plan.run(*args[:5], other.k_cache, other.v_cache, *args[7:])
+
+
+def test_value_checks_run_while_validation_is_on(device):
+    layer = _layer(device)
+    plan = _decode_plan(layer, topk=2)
+    too_long = torch.tensor([10_000, 300], dtype=torch.int32, device=device)
+    before = layer.cache.kv.clone()
+    with pytest.raises(ValueError, match="seq_lens"):
+        plan.run(*_run_args(layer, seq_lens=too_long))
+    assert torch.equal(layer.cache.kv, before)
+
+
+def test_bad_plans_are_rejected():
+    layer = _layer("cpu")
+    with pytest.raises(ValueError, match="not a multiple"):
+        _decode_plan_with(layer, num_q_heads=3)
+    with pytest.raises(TypeError, match="topk"):
+        _decode_plan(layer, topk=2.0)
+    with pytest.raises(TypeError, match="id_dtype"):
+        _decode_plan(layer, id_dtype=torch.float32)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        _decode_plan(layer, graph=True)
+
+
+def _decode_plan_with(layer, **kw):
+    return mm3lab.MSADecodePlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, batch=2,
+                                max_blocks=layer.block_table.shape[1], **kw)
+
+
+def test_torch_backend_plan_calls_the_one_shot_path():
+    layer = _layer("cpu")
+    _, kc, vc, ic = _clone_caches(layer)
+    with mm3lab.use_backend("torch"):
+        plan = _decode_plan(layer, topk=2)
+        assert not plan.uses_kernels
+        got = plan.run(*_run_args(layer))
+        want = mm3lab.msa_decode(*_run_args(layer, kc, vc, ic), topk=2)
+        with pytest.raises(ValueError, match="stages"):
+            plan.stages(*_run_args(layer))
+    assert torch.equal(got, want)
+
+
+def test_stages_reproduce_the_step(device):
+    layer = _layer(device)
+    plan = _decode_plan(layer, topk=2)
+    want = plan.run(*_run_args(layer)).clone()
+    stages = plan.stages(*_run_args(layer))
+    assert list(stages) == ["insert", "indexer_scores", "topk", "block_table", "topk_block_table", "attention"]
+    plan.out.zero_()
+    for name in ("insert", "indexer_scores", "topk", "block_table", "attention"):
+        stages[name]()
+    assert torch.equal(plan.out, want)
+
+
+@pytest.mark.parametrize("dql", [1, 3])
+def test_rows_and_slots_match_the_torch_ops(device, dql):
+    layer = _layer(device, batch=3, context=260)
+    seq_lens = torch.tensor([1, 0, 260], dtype=torch.int32, device=device)
+    n = 3 * dql
+    req = torch.empty(n, dtype=torch.int32, device=device)
+    pos = torch.empty(n, dtype=torch.int32, device=device)
+    slots = torch.empty(n, dtype=torch.int64, device=device)
+    rows_and_slots(layer.block_table, req, pos, slots, seq_lens=seq_lens, decode_query_len=dql)
+    want_req, want_pos = decode_query_rows(seq_lens, dql)
+    assert torch.equal(req, want_req) and torch.equal(pos, want_pos)
+    assert torch.equal(slots, token_slots(layer.block_table, want_req, want_pos))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("index_dtype", [torch.float16, torch.bfloat16])
+def test_graph_plan_replays_with_changing_seq_lens_and_padded_rows(index_dtype):
+    layer = synthetic_layer(700, batch=3, num_kv_heads=2, group_size=4, head_dim=64, index_dim=32,
+                            dtype=index_dtype, device="cuda")
+    plan = _decode_plan(layer, topk=3, graph=True)
+    eager = _decode_plan(layer, topk=3)
+    for step, lens in enumerate(([700, 737, 774], [129, 0, 500], [1, 737, 0], [700, 737, 774])):
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        _, kc, vc, ic = _clone_caches(layer)
+        want = mm3lab.msa_decode(*_run_args(layer, kc, vc, ic, seq_lens), topk=3)
+        got = plan.run(*_run_args(layer, seq_lens=seq_lens.clone()))  # a fresh address every step
+        assert torch.equal(got, want), lens
+        assert torch.equal(eager.run(*_run_args(layer, seq_lens=seq_lens)), want)
+        if step == 0:
+            graph = plan._cuda_graph
+    assert plan._cuda_graph is graph  # replayed, never re-captured
+    # a new cache address re-captures instead of replaying into the old cache
+    _kv, kc, vc, ic = _clone_caches(layer)
+    out = plan.run(*_run_args(layer, kc, vc, ic)).clone()
+    assert plan._cuda_graph is not graph
+    assert torch.equal(out, mm3lab.msa_decode(*_run_args(layer), topk=3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_plan_run_is_capturable_by_the_caller():
+    layer = synthetic_layer(700, batch=2, num_kv_heads=2, group_size=4, head_dim=64, index_dim=32,
+                            dtype=torch.bfloat16, device="cuda")
+    plan = _decode_plan(layer, topk=3)
+    want = plan.run(*_run_args(layer)).clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(*_run_args(layer))
+    plan.out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(plan.out, want)
