@@ -129,7 +129,7 @@ def _storage_span(t: torch.Tensor) -> tuple[int, int] | None:
     if t.numel() == 0 or t.device.type == "meta":
         return None
     start = t.data_ptr()
-    last = start + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) * t.element_size()
+    last = start + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) * t.element_size()
     return start, last + t.element_size()
 
 

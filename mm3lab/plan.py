@@ -59,10 +59,10 @@ from ._checks import (
     dtype_name,
     validation_enabled,
 )
-from .rows import rows_and_slots
 from .constants import DEFAULT_TOPK, PAGES_PER_SPARSE_BLOCK
 from .index_cache.checks import check_index_cache
 from .layout.views import check_kv_views
+from .rows import rows_and_slots
 
 __all__ = ["MSADecodePlan", "MSAPrefillPlan"]
 
@@ -220,7 +220,7 @@ class _MSAPlan:
                 )
             if t.device != self.device:
                 raise ValueError(f"{name}: the {kind} was planned on {self.device}, got a tensor on {t.device}")
-        for name, t, planned in zip(("k_cache", "v_cache", "index_cache"), caches, self._cache_prints):
+        for name, t, planned in zip(("k_cache", "v_cache", "index_cache"), caches, self._cache_prints, strict=True):
             check_tensor(name, t)
             got = _fingerprint(t)
             if got[:4] != planned[:4]:
@@ -320,15 +320,23 @@ class _MSAPlan:
         bt = inputs["block_table"]
         if self._prefill:
             req, pos, dql = inputs["query_req_id"], inputs["query_abs_pos"], 1
-            rows = lambda: rows_and_slots(bt, req, pos, self.slots)
-            table = lambda: build_sparse_block_table_prefill_kernel(
-                self.topk_idx, bt, req, pos, self.block_page_stride, self.sparse_bt, self.sparse_ctx)
+
+            def rows():
+                rows_and_slots(bt, req, pos, self.slots)
+
+            def table():
+                build_sparse_block_table_prefill_kernel(
+                    self.topk_idx, bt, req, pos, self.block_page_stride, self.sparse_bt, self.sparse_ctx)
         else:
             lens, dql = inputs["seq_lens"], self.decode_query_len
             req = pos = lens
-            rows = lambda: rows_and_slots(bt, self.req, self.pos, self.slots, seq_lens=lens, decode_query_len=dql)
-            table = lambda: build_sparse_block_table_decode_kernel(
-                self.topk_idx, bt, lens, dql, self.block_page_stride, self.sparse_bt, self.sparse_ctx)
+
+            def rows():
+                rows_and_slots(bt, self.req, self.pos, self.slots, seq_lens=lens, decode_query_len=dql)
+
+            def table():
+                build_sparse_block_table_decode_kernel(
+                    self.topk_idx, bt, lens, dql, self.block_page_stride, self.sparse_bt, self.sparse_ctx)
         positions = 2 if self._prefill else 1
 
         def insert():

@@ -82,7 +82,9 @@ def make_chunk_case(
     )
     g = torch.Generator().manual_seed(seed + 1)
     req = torch.cat([torch.full((c,), r) for r, c in enumerate(chunk)] + [torch.zeros(pad_rows, dtype=torch.long)])
-    pos = torch.cat([torch.arange(s - c, s) for s, c in zip(seq_lens, chunk)] + [torch.full((pad_rows,), -1)])
+    pos = torch.cat(
+        [torch.arange(s - c, s) for s, c in zip(seq_lens, chunk, strict=True)] + [torch.full((pad_rows,), -1)]
+    )
     n = req.shape[0]
     width_blocks = base.block_table.shape[1]
     topk_idx = torch.full((hkv, n, topk), -1, dtype=torch.int32)

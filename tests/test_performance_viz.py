@@ -173,7 +173,10 @@ def test_stage_breakdown_accounts_for_the_step():
 
 def test_host_overhead_and_speedup_and_grid():
     rows = performance.host_device_rows(SCHEMA)
-    step = [r for r in rows if r["name"] == "msa_decode" and r["shape"]["context"] == 131072 and r["shape"]["batch"] == 16]
+    step = [
+        r for r in rows
+        if r["name"] == "msa_decode" and r["shape"]["context"] == 131072 and r["shape"]["batch"] == 16
+    ]
     assert step and abs(step[0]["host_ms"] - 0.380) < 1e-9  # validation off preferred: 700 - 320
     assert performance.plot_host_device(SCHEMA) is not None
     series = performance.speedup_series(SCHEMA)

@@ -187,7 +187,8 @@ def check_prefill(
     pos = query_abs_pos.to(torch.int64)
     req = query_req_id.to(torch.int64)
     live = (pos >= 0) & (req >= 0) & (req < b)
-    blocks_needed = torch.where(live, torch.div(pos.clamp(0, capacity - 1), SPARSE_BLOCK_SIZE, rounding_mode="floor") + 1, 0)
+    last_block = torch.div(pos.clamp(0, capacity - 1), SPARSE_BLOCK_SIZE, rounding_mode="floor")
+    blocks_needed = torch.where(live, last_block + 1, 0)
     blocks_used = torch.zeros(b, dtype=torch.int64, device=pos.device)
     if b:
         blocks_used.scatter_reduce_(0, torch.where(live, req, 0), blocks_needed, reduce="amax")

@@ -180,7 +180,9 @@ def index_scores_decode(
     Returns:
         ``[H, N, M]`` float32; ``-inf`` for every non-candidate block.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks, index_scale)
+    check_decode(
+        index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks, index_scale
+    )
     index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _decode_rows(seq_lens, decode_query_len)
     return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
@@ -200,7 +202,9 @@ def index_scores_prefill(
 ) -> torch.Tensor:
     """Block scores of prefill rows (step 2); arguments as :func:`index_scores_decode` except
     ``query_req_id [N]`` / ``query_abs_pos [N]`` (negative position = padded row)."""
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks, index_scale)
+    check_prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks, index_scale
+    )
     index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
     return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
@@ -222,7 +226,9 @@ def index_topk_decode(
 
     Args: as :func:`index_scores_decode`, plus ``topk``, the blocks selected per row.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale)
+    check_decode(
+        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
+    )
     index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _decode_rows(seq_lens, decode_query_len)
     scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced=True)
@@ -242,7 +248,9 @@ def index_topk_prefill(
     index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Selected blocks of prefill rows (steps 2-3): ``[H, N, topk]`` int32, ``-1`` padding."""
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale)
+    check_prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
+    )
     index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
     scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_index
 from ..constants import PAGE16_SIDES_PER_BLOCK, PAGE_SIZE, SPARSE_BLOCK_SIZE
 from ..fp8 import quantize
 from .checks import cache_slots, check_rebase_block_table, check_rebase_slots, check_write_kv

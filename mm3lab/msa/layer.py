@@ -95,7 +95,8 @@ def _check_query(q, k_cache, v_cache, index_q=None) -> int:
 
 
 def _prepare_inserts(
-    q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, *, scale=None, table_checked=False, slots=None,
+    q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, *,
+    scale=None, table_checked=False, slots=None,
 ) -> torch.Tensor:
     """Slots of the new tokens, after checking every argument of the step (SPEC section 7).
 
