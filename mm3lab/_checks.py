@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .constants import PAGE16_SIDES_PER_BLOCK, PAGES_PER_SPARSE_BLOCK
+from .constants import PAGE16_SIDES_PER_BLOCK, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -208,3 +208,39 @@ def raise_first(checks) -> None:
     for (mask, message), bad in zip(checks, anys, strict=False):
         if bad:
             raise ValueError(message(first_bad_row(mask)))
+
+
+def seq_lens_check(seq_lens: torch.Tensor, m: int):
+    """A :func:`raise_first` check: every request's ``seq_len`` fits its block-table row of ``m`` blocks (SPEC 7)."""
+    capacity = m * SPARSE_BLOCK_SIZE
+    return (
+        seq_lens.to(torch.int64) > capacity,
+        lambda r: (
+            f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
+            f"{m} blocks = {capacity} tokens"
+        ),
+    )
+
+
+def prefill_row_checks(query_req_id: torch.Tensor, query_abs_pos: torch.Tensor, b: int, m: int) -> list:
+    """:func:`raise_first` checks of prefill rows against a ``[b, m]`` block table (SPEC 7): a live row's
+    request id inside ``[0, b)`` (padded rows, ``p < 0``, may carry any), every position inside a row."""
+    capacity = m * SPARSE_BLOCK_SIZE
+    pos = query_abs_pos.to(torch.int64)
+    req = query_req_id.to(torch.int64)
+    return [
+        (
+            (pos >= 0) & ((req < 0) | (req >= b)),
+            lambda r: (
+                f"query_req_id: row {r} has request id {int(query_req_id[r])}, outside the block table's "
+                f"{b} requests [0, {b})"
+            ),
+        ),
+        (
+            pos >= capacity,
+            lambda r: (
+                f"query_abs_pos: row {r} has position {int(query_abs_pos[r])}, but a block_table row holds "
+                f"{m} blocks = {capacity} tokens"
+            ),
+        ),
+    ]

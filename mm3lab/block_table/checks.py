@@ -15,6 +15,8 @@ from .._checks import (
     check_index,
     check_out,
     check_same_device,
+    prefill_row_checks,
+    seq_lens_check,
     validation_enabled,
 )
 from .._checks import check_block_page_stride as _check_stride
@@ -108,17 +110,7 @@ def check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_s
         )
     if not validation_enabled() or n == 0:
         return
-    capacity = m * SPARSE_BLOCK_SIZE
-    seq_lens_long = seq_lens.to(torch.int64)
-    checks = [
-        (
-            seq_lens_long > capacity,
-            lambda r: (
-                f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
-                f"{m} blocks = {capacity} tokens"
-            ),
-        )
-    ]
+    checks = [seq_lens_check(seq_lens, m)]
     if k:
         checks.append(_topk_past_table(topk_idx, m))
     if m:
@@ -137,26 +129,9 @@ def check_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page
     )
     if not validation_enabled() or n == 0:
         return
-    capacity = m * SPARSE_BLOCK_SIZE
     pos = query_abs_pos.to(torch.int64)
     req = query_req_id.to(torch.int64)
-    live = pos >= 0  # padded rows (negative position) may carry any request id
-    checks = [
-        (
-            live & ((req < 0) | (req >= b)),
-            lambda r: (
-                f"query_req_id: row {r} has request id {int(query_req_id[r])}, outside the block table's "
-                f"{b} requests [0, {b})"
-            ),
-        ),
-        (
-            pos >= capacity,
-            lambda r: (
-                f"query_abs_pos: row {r} has position {int(query_abs_pos[r])}, but a block_table row holds "
-                f"{m} blocks = {capacity} tokens"
-            ),
-        ),
-    ]
+    checks = prefill_row_checks(query_req_id, query_abs_pos, b, m)
     if k:
         checks.append(_topk_past_table(topk_idx, m))
     if m:

@@ -26,6 +26,8 @@ from .._checks import (  # noqa: F401  (check_block_page_stride, check_int re-ex
     check_int,
     check_same_device,
     check_tensor,
+    prefill_row_checks,
+    seq_lens_check,
     validation_enabled,
 )
 from .._checks import dtype_name as _dtype_name
@@ -156,13 +158,7 @@ def check_decode(
     lens = seq_lens.to(torch.int64)
     blocks_used = torch.div(lens.clamp(0, capacity) + SPARSE_BLOCK_SIZE - 1, SPARSE_BLOCK_SIZE, rounding_mode="floor")
     _raise_first([
-        (
-            lens > capacity,
-            lambda r: (
-                f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
-                f"{m} blocks = {capacity} tokens"
-            ),
-        ),
+        seq_lens_check(seq_lens, m),
         _table_entries_check(block_table, blocks_used, index_cache.shape[0]),
     ])
 
@@ -193,19 +189,6 @@ def check_prefill(
     if b:
         blocks_used.scatter_reduce_(0, torch.where(live, req, 0), blocks_needed, reduce="amax")
     _raise_first([
-        (
-            (pos >= 0) & ((req < 0) | (req >= b)),
-            lambda r: (
-                f"query_req_id: row {r} has request id {int(query_req_id[r])}, outside the block table's "
-                f"{b} requests [0, {b})"
-            ),
-        ),
-        (
-            pos >= capacity,
-            lambda r: (
-                f"query_abs_pos: row {r} has position {int(query_abs_pos[r])}, but a block_table row holds "
-                f"{m} blocks = {capacity} tokens"
-            ),
-        ),
+        *prefill_row_checks(query_req_id, query_abs_pos, b, m),
         _table_entries_check(block_table, blocks_used, index_cache.shape[0]),
     ])
