@@ -244,3 +244,34 @@ def prefill_row_checks(query_req_id: torch.Tensor, query_abs_pos: torch.Tensor, 
             ),
         ),
     ]
+
+
+def blocks_used_decode(seq_lens: torch.Tensor, m: int) -> torch.Tensor:
+    """``[B]`` int64: the block-table entries each decode request reads, ``ceil(seq_len / 128)`` (at most ``m``)."""
+    lens = seq_lens.to(torch.int64).clamp(0, m * SPARSE_BLOCK_SIZE)
+    return torch.div(lens + SPARSE_BLOCK_SIZE - 1, SPARSE_BLOCK_SIZE, rounding_mode="floor")
+
+
+def blocks_used_prefill(req: torch.Tensor, pos: torch.Tensor, b: int, m: int) -> torch.Tensor:
+    """``[b]`` int64: how many block-table entries the live prefill rows of each request read
+    (``p // 128 + 1`` of its furthest row; rows outside the table, checked apart, read none)."""
+    req, pos = req.to(torch.int64), pos.to(torch.int64)
+    live = (pos >= 0) & (req >= 0) & (req < b) & (pos < m * SPARSE_BLOCK_SIZE)
+    needed = torch.where(live, torch.div(pos, SPARSE_BLOCK_SIZE, rounding_mode="floor") + 1, 0)
+    used = torch.zeros(b, dtype=torch.int64, device=pos.device)
+    if b:
+        used.scatter_reduce_(0, torch.where(live, req, 0), needed, reduce="amax")
+    return used
+
+
+def table_entry_check(block_table: torch.Tensor, blocks_used: torch.Tensor, bad: torch.Tensor, why):
+    """A :func:`raise_first` check: an entry ``bad`` (``[B, M]`` bool) among the first ``blocks_used[r]``
+    of row ``r``; the message names the request, the logical block and ``why(physical id)``."""
+    b, m = block_table.shape
+    mask = bad & (torch.arange(m, device=block_table.device).view(1, m) < blocks_used.view(b, 1))
+
+    def message(r: int) -> str:
+        col = int(torch.nonzero(mask[r])[0, 0])
+        return f"block_table: request {r}, logical block {col} " + why(int(block_table[r, col]))
+
+    return mask, message

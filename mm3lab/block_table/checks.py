@@ -12,17 +12,20 @@ import torch
 
 from .._checks import (
     BLOCK_PAGE_STRIDES,  # noqa: F401  (re-exported)
+    blocks_used_decode,
+    blocks_used_prefill,
     check_index,
     check_out,
     check_same_device,
     prefill_row_checks,
     seq_lens_check,
+    table_entry_check,
     validation_enabled,
 )
 from .._checks import check_block_page_stride as _check_stride
 from .._checks import check_int as _check_int
 from .._checks import raise_first as _raise_first
-from ..constants import PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
+from ..constants import PAGES_PER_SPARSE_BLOCK
 
 
 def _check_outputs(out, h: int, n: int, k: int, device) -> None:
@@ -66,34 +69,15 @@ def _topk_past_table(topk_idx: torch.Tensor, width: int):
 
 def _page_overflow(block_table, blocks_used, block_page_stride: int):
     """A table entry that a row reads whose page ids ``id * stride + j`` do not fit int32."""
-    b, m = block_table.shape
-    used = torch.arange(m, device=block_table.device).view(1, m) < blocks_used.view(b, 1)
     top = (2**31 - PAGES_PER_SPARSE_BLOCK) // block_page_stride
     bottom = -(2**31) // block_page_stride
-    mask = used & ((block_table > top) | (block_table < bottom))
-
-    def message(r: int) -> str:
-        col = int(torch.nonzero(mask[r])[0, 0])
-        return (
-            f"block_table: request {r}, logical block {col} is physical block {int(block_table[r, col])}, whose page "
-            f"ids (x {block_page_stride}) do not fit int32: physical ids must lie in [{bottom}, {top}]"
-        )
-
-    return mask, message
-
-
-def _blocks_used_decode(seq_lens, m: int):
-    lens = seq_lens.to(torch.int64).clamp(0, m * SPARSE_BLOCK_SIZE)
-    return torch.div(lens + SPARSE_BLOCK_SIZE - 1, SPARSE_BLOCK_SIZE, rounding_mode="floor")
-
-
-def _blocks_used_prefill(req, pos, b: int, m: int):
-    live = (pos >= 0) & (req >= 0) & (req < b) & (pos < m * SPARSE_BLOCK_SIZE)
-    needed = torch.where(live, torch.div(pos, SPARSE_BLOCK_SIZE, rounding_mode="floor") + 1, 0)
-    used = torch.zeros(b, dtype=torch.int64, device=pos.device)
-    if b:
-        used.scatter_reduce_(0, torch.where(live, req, 0), needed, reduce="amax")
-    return used
+    return table_entry_check(
+        block_table, blocks_used, (block_table > top) | (block_table < bottom),
+        lambda phys: (
+            f"is physical block {phys}, whose page ids (x {block_page_stride}) do not fit int32: "
+            f"physical ids must lie in [{bottom}, {top}]"
+        ),
+    )
 
 
 def check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out) -> None:
@@ -114,7 +98,7 @@ def check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_s
     if k:
         checks.append(_topk_past_table(topk_idx, m))
     if m:
-        checks.append(_page_overflow(block_table, _blocks_used_decode(seq_lens, m), block_page_stride))
+        checks.append(_page_overflow(block_table, blocks_used_decode(seq_lens, m), block_page_stride))
     _raise_first(checks)
 
 
@@ -135,5 +119,5 @@ def check_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page
     if k:
         checks.append(_topk_past_table(topk_idx, m))
     if m:
-        checks.append(_page_overflow(block_table, _blocks_used_prefill(req, pos, b, m), block_page_stride))
+        checks.append(_page_overflow(block_table, blocks_used_prefill(req, pos, b, m), block_page_stride))
     _raise_first(checks)
