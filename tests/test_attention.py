@@ -186,15 +186,20 @@ SHAPES = [(1, 1, 64), (2, 4, 128), (4, 3, 80), (1, 16, 96)]  # (Hkv, group size,
 MODES = [("decode", 1), ("decode", 3), ("prefill", None)]  # decode, speculative decode, prefill
 
 
+def shape_cases(device, layout, mode, dql, hkv, group, d):
+    """The cases of one (layout, mode, shape), one per dtype the device runs (shared with test_attention_tiled)."""
+    for dtype in dtypes_for(device):
+        yield make_case(
+            layout=layout, mode=mode, hkv=hkv, group=group, d=d, dtype=dtype, device=device,
+            seq_lens=[300, 1, 141], topk=3, seed=hkv * 100 + group * 10 + d, dql=dql or 1, rows=6, pad_rows=1,
+        )
+
+
 @pytest.mark.parametrize("layout", ["dense", "packed"])
 @pytest.mark.parametrize("mode,dql", MODES, ids=["decode", "spec_decode", "prefill"])
 @pytest.mark.parametrize("hkv,group,d", SHAPES, ids=lambda v: str(v))
 def test_kernel_matches_references(device, layout, mode, dql, hkv, group, d):
-    for dtype in dtypes_for(device):
-        case = make_case(
-            layout=layout, mode=mode, hkv=hkv, group=group, d=d, dtype=dtype, device=device,
-            seq_lens=[300, 1, 141], topk=3, seed=hkv * 100 + group * 10 + d, dql=dql or 1, rows=6, pad_rows=1,
-        )
+    for case in shape_cases(device, layout, mode, dql, hkv, group, d):
         attention_every_path(case)
 
 
