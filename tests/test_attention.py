@@ -140,6 +140,13 @@ def run_kernel(case: Case, **launch):
     return out, lse
 
 
+def run_reference(case: Case):
+    """The PyTorch reference on the case's sparse block table: ``(out, lse)``."""
+    return reference.sparse_attention(
+        case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx, return_lse=True
+    )
+
+
 def run_dense(case: Case):
     return reference.dense_masked_attention(
         case.q.float(), case.key.float(), case.value.float(), case.topk_idx, case.query_req_id,
