@@ -275,3 +275,16 @@ def table_entry_check(block_table: torch.Tensor, blocks_used: torch.Tensor, bad:
         return f"block_table: request {r}, logical block {col} " + why(int(block_table[r, col]))
 
     return mask, message
+
+
+def check_decode_rows(name: str, n: int, seq_lens, decode_query_len, b: int) -> int:
+    """Decode rows (SPEC 2): ``seq_lens [b]`` integer, ``decode_query_len >= 1`` and ``n == b * dql``
+    rows in ``name``; returns ``dql``."""
+    check_index("seq_lens", seq_lens, shape=(b,))
+    dql = check_int("decode_query_len", decode_query_len, minimum=1)
+    if n != b * dql:
+        raise ValueError(
+            f"{name}: expected batch * decode_query_len = {b} * {dql} = {b * dql} rows "
+            f"(block_table has {b} requests), got {n}"
+        )
+    return dql

@@ -14,6 +14,7 @@ from .._checks import (
     BLOCK_PAGE_STRIDES,  # noqa: F401  (re-exported)
     blocks_used_decode,
     blocks_used_prefill,
+    check_decode_rows,
     check_index,
     check_out,
     check_same_device,
@@ -23,7 +24,6 @@ from .._checks import (
     validation_enabled,
 )
 from .._checks import check_block_page_stride as _check_stride
-from .._checks import check_int as _check_int
 from .._checks import raise_first as _raise_first
 from ..constants import PAGES_PER_SPARSE_BLOCK
 
@@ -84,14 +84,8 @@ def check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_s
     """Validate ``build_sparse_block_table_decode``'s arguments (see its docstring)."""
     h, n, k = _check_common(topk_idx, block_table, block_page_stride, out)
     b, m = block_table.shape
-    check_index("seq_lens", seq_lens, shape=(b,))
-    dql = _check_int("decode_query_len", decode_query_len, minimum=1)
+    check_decode_rows("topk_idx", n, seq_lens, decode_query_len, b)
     check_same_device(topk_idx=topk_idx, block_table=block_table, seq_lens=seq_lens)
-    if n != b * dql:
-        raise ValueError(
-            f"topk_idx: expected batch * decode_query_len = {b} * {dql} = {b * dql} rows "
-            f"(block_table has {b} requests), got {n}"
-        )
     if not validation_enabled() or n == 0:
         return
     checks = [seq_lens_check(seq_lens, m)]

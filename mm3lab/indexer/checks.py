@@ -22,6 +22,7 @@ from .._checks import (  # noqa: F401  (check_block_page_stride, check_int re-ex
     blocks_used_decode,
     blocks_used_prefill,
     check_block_page_stride,
+    check_decode_rows,
     check_index,
     check_int,
     check_same_device,
@@ -108,15 +109,9 @@ def check_decode(
     _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks)
     check_index_scale(index_cache, index_scale)  # FP8 keys (SPEC section 9)
     b, m = block_table.shape
-    check_index("seq_lens", seq_lens, shape=(b,))
-    dql = check_int("decode_query_len", decode_query_len, minimum=1)
-    check_same_device(index_q=index_q, index_cache=index_cache, block_table=block_table, seq_lens=seq_lens)
     n = index_q.shape[0]
-    if n != b * dql:
-        raise ValueError(
-            f"index_q: expected batch * decode_query_len = {b} * {dql} = {b * dql} rows "
-            f"(block_table has {b} requests), got {n}"
-        )
+    check_decode_rows("index_q", n, seq_lens, decode_query_len, b)
+    check_same_device(index_q=index_q, index_cache=index_cache, block_table=block_table, seq_lens=seq_lens)
     if not validation_enabled() or n == 0:
         return
     _raise_first([
