@@ -9,6 +9,7 @@ outside ``[0, B)`` makes the row padded too. A live row's page-128 slot is
 * :func:`decode_rows`: the rule on the host (PyTorch); :func:`decode_query_rows` checks
   its arguments and returns the int32 rows the prefill entry points take;
 * :func:`row_request_position`: the same rule inside a Triton kernel;
+* :func:`row_slots`: the slots of rows on the host;
 * :func:`rows_and_slots`: rows and slots of one MSA step in a single launch, into
   caller-owned buffers (nothing allocated, so a CUDA graph can capture it); the values of
   :func:`decode_query_rows` and :func:`mm3lab.index_cache.token_slots`.
@@ -26,7 +27,7 @@ from . import backend
 from ._checks import check_index, check_int
 from .constants import SPARSE_BLOCK_SIZE
 
-__all__ = ["decode_query_rows", "decode_rows", "row_request_position", "rows_and_slots"]
+__all__ = ["decode_query_rows", "decode_rows", "row_request_position", "row_slots", "rows_and_slots"]
 
 _BLOCK = 128
 
@@ -98,20 +99,26 @@ def _rows_slots(
     tl.store(slot_ptr + offs, slot, mask=ok)
 
 
+def row_slots(block_table: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``[N]`` int64 page-128 slots of rows ``(req, pos)`` on the host: ``block_table[r, p // 128] * 128 + p % 128``,
+    ``-1`` for a padded row, a row outside the table, or a slot past int64 (past every cache: never wrapped)."""
+    pos, req = pos.to(torch.int64), req.to(torch.int64)
+    b, m = block_table.shape
+    if pos.numel() == 0 or block_table.numel() == 0:
+        return torch.full_like(pos, -1)
+    logical = pos.clamp(min=0) // SPARSE_BLOCK_SIZE
+    live = (pos >= 0) & (req >= 0) & (req < b) & (logical < m)
+    physical = block_table.to(torch.int64)[torch.where(live, req, 0), torch.where(live, logical, 0)]
+    live = live & (physical < 2**63 // SPARSE_BLOCK_SIZE)
+    return torch.where(live, physical * SPARSE_BLOCK_SIZE + pos.clamp(min=0) % SPARSE_BLOCK_SIZE, -1)
+
+
 def _rows_slots_torch(seq_lens, block_table, req, pos, slots, dql, prefill) -> None:
     if not prefill:
         r, p = decode_rows(seq_lens, dql)
         req.copy_(r)
         pos.copy_(p.clamp(min=-1))
-    b, m = block_table.shape
-    r, p = req.long(), pos.long()
-    logical = p.clamp(min=0) // SPARSE_BLOCK_SIZE
-    live = (p >= 0) & (r >= 0) & (r < b) & (logical < m)
-    if block_table.numel() == 0:
-        slots.fill_(-1)
-        return
-    phys = block_table.long()[torch.where(live, r, 0), torch.where(live, logical, 0)]
-    slots.copy_(torch.where(live, phys * SPARSE_BLOCK_SIZE + p.clamp(min=0) % SPARSE_BLOCK_SIZE, -1))
+    slots.copy_(row_slots(block_table, req, pos))
 
 
 def rows_and_slots(
