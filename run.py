@@ -95,7 +95,8 @@ def main(argv: list[str]) -> int:
         return 0
     if job == "test-gpu":
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        return subprocess.run([sys.executable, "-m", "pytest", *GPU_PYTEST_ARGS, *rest], check=False, cwd=ROOT, env=env).returncode
+        cmd = [sys.executable, "-m", "pytest", *GPU_PYTEST_ARGS, *rest]
+        return subprocess.run(cmd, check=False, cwd=ROOT, env=env).returncode
     ensure_env()
     if job == "test":
         env.setdefault("MPLBACKEND", "Agg")

@@ -197,23 +197,14 @@ def bench_graph(fn: Callable[[], object], *, replays: int = 200, repeats: int = 
 
 
 def fallback_reason() -> str | None:
-    """The PyTorch-fallback reasons mm3lab reported since the last call (``None`` if none or unknown)."""
-    import mm3lab
+    """The PyTorch fallbacks mm3lab took since the last call, ``"entry point: rule; ..."`` (``None`` if none).
 
-    taken = getattr(getattr(mm3lab, "backend", None), "fallbacks_taken", None)
-    if taken is None:
-        return None
-    try:
-        reasons = taken()
-    except Exception:  # noqa: BLE001 (an older or newer signature: no reason rather than a failed suite)
-        return None
-    if not reasons:
-        return None
-    if isinstance(reasons, dict):
-        reasons = [f"{k}: {v}" for k, v in reasons.items()]
-    elif isinstance(reasons, str):
-        reasons = [reasons]
-    return "; ".join(sorted({str(r) for r in reasons}))
+    The rules are :data:`mm3lab.backend.FALLBACK_RULES` (SPEC 7); ``mm3lab info`` lists them.
+    """
+    from mm3lab import backend
+
+    taken = backend.fallbacks_taken(reset=True)
+    return "; ".join(f"{entry}: {rule}" for entry, rule in sorted(taken.items())) or None
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ mm3lab does that.
 
 __version__ = "0.1.0"
 
-from . import backend  # noqa: E402  (first: sets TRITON_INTERPRET before any kernel module imports triton)
+from . import backend  # noqa: E402,F401,I001  (first: sets TRITON_INTERPRET before any kernel module imports triton)
 from ._checks import validation, validation_enabled  # noqa: E402
 from .backend import get_backend, info, set_backend, use_backend  # noqa: E402
 from .constants import (  # noqa: E402

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .constants import PAGE16_SIDES_PER_BLOCK, PAGES_PER_SPARSE_BLOCK
+from .constants import PAGE16_SIDES_PER_BLOCK, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -72,7 +72,7 @@ def check_tensor(
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name}: expected dtype {allowed}, got {str(t.dtype).replace('torch.', '')}")
     if shape is not None:
-        for axis, (want, got) in enumerate(zip(shape, t.shape)):
+        for axis, (want, got) in enumerate(zip(shape, t.shape, strict=False)):
             if want is not None and want != got:
                 raise ValueError(
                     f"{name}: expected shape {tuple('*' if s is None else s for s in shape)}, "
@@ -133,7 +133,7 @@ def _storage_span(t: torch.Tensor) -> tuple[int, int] | None:
     if t.numel() == 0 or t.device.type == "meta":
         return None
     start = t.data_ptr()
-    last = start + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) * t.element_size()
+    last = start + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) * t.element_size()
     return start, last + t.element_size()
 
 
@@ -220,6 +220,86 @@ def raise_first(checks) -> None:
     if not checks:
         return
     anys = torch.stack([mask.any() for mask, _ in checks]).tolist()
-    for (mask, message), bad in zip(checks, anys):
+    for (mask, message), bad in zip(checks, anys, strict=False):
         if bad:
             raise ValueError(message(first_bad_row(mask)))
+
+
+def seq_lens_check(seq_lens: torch.Tensor, m: int):
+    """A :func:`raise_first` check: every request's ``seq_len`` fits its block-table row of ``m`` blocks (SPEC 7)."""
+    capacity = m * SPARSE_BLOCK_SIZE
+    return (
+        seq_lens.to(torch.int64) > capacity,
+        lambda r: (
+            f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
+            f"{m} blocks = {capacity} tokens"
+        ),
+    )
+
+
+def prefill_row_checks(query_req_id: torch.Tensor, query_abs_pos: torch.Tensor, b: int, m: int) -> list:
+    """:func:`raise_first` checks of prefill rows against a ``[b, m]`` block table (SPEC 7): a live row's
+    request id inside ``[0, b)`` (padded rows, ``p < 0``, may carry any), every position inside a row."""
+    capacity = m * SPARSE_BLOCK_SIZE
+    pos = query_abs_pos.to(torch.int64)
+    req = query_req_id.to(torch.int64)
+    return [
+        (
+            (pos >= 0) & ((req < 0) | (req >= b)),
+            lambda r: (
+                f"query_req_id: row {r} has request id {int(query_req_id[r])}, outside the block table's "
+                f"{b} requests [0, {b})"
+            ),
+        ),
+        (
+            pos >= capacity,
+            lambda r: (
+                f"query_abs_pos: row {r} has position {int(query_abs_pos[r])}, but a block_table row holds "
+                f"{m} blocks = {capacity} tokens"
+            ),
+        ),
+    ]
+
+
+def blocks_used_decode(seq_lens: torch.Tensor, m: int) -> torch.Tensor:
+    """``[B]`` int64: the block-table entries each decode request reads, ``ceil(seq_len / 128)`` (at most ``m``)."""
+    lens = seq_lens.to(torch.int64).clamp(0, m * SPARSE_BLOCK_SIZE)
+    return torch.div(lens + SPARSE_BLOCK_SIZE - 1, SPARSE_BLOCK_SIZE, rounding_mode="floor")
+
+
+def blocks_used_prefill(req: torch.Tensor, pos: torch.Tensor, b: int, m: int) -> torch.Tensor:
+    """``[b]`` int64: how many block-table entries the live prefill rows of each request read
+    (``p // 128 + 1`` of its furthest row; rows outside the table, checked apart, read none)."""
+    req, pos = req.to(torch.int64), pos.to(torch.int64)
+    live = (pos >= 0) & (req >= 0) & (req < b) & (pos < m * SPARSE_BLOCK_SIZE)
+    needed = torch.where(live, torch.div(pos, SPARSE_BLOCK_SIZE, rounding_mode="floor") + 1, 0)
+    used = torch.zeros(b, dtype=torch.int64, device=pos.device)
+    if b:
+        used.scatter_reduce_(0, torch.where(live, req, 0), needed, reduce="amax")
+    return used
+
+
+def table_entry_check(block_table: torch.Tensor, blocks_used: torch.Tensor, bad: torch.Tensor, why):
+    """A :func:`raise_first` check: an entry ``bad`` (``[B, M]`` bool) among the first ``blocks_used[r]``
+    of row ``r``; the message names the request, the logical block and ``why(physical id)``."""
+    b, m = block_table.shape
+    mask = bad & (torch.arange(m, device=block_table.device).view(1, m) < blocks_used.view(b, 1))
+
+    def message(r: int) -> str:
+        col = int(torch.nonzero(mask[r])[0, 0])
+        return f"block_table: request {r}, logical block {col} " + why(int(block_table[r, col]))
+
+    return mask, message
+
+
+def check_decode_rows(name: str, n: int, seq_lens, decode_query_len, b: int) -> int:
+    """Decode rows (SPEC 2): ``seq_lens [b]`` integer, ``decode_query_len >= 1`` and ``n == b * dql``
+    rows in ``name``; returns ``dql``."""
+    check_index("seq_lens", seq_lens, shape=(b,))
+    dql = check_int("decode_query_len", decode_query_len, minimum=1)
+    if n != b * dql:
+        raise ValueError(
+            f"{name}: expected batch * decode_query_len = {b} * {dql} = {b * dql} rows "
+            f"(block_table has {b} requests), got {n}"
+        )
+    return dql

@@ -22,13 +22,18 @@ mm3lab kernel module imports Triton. Consequently ``"interpret"`` can only be
 selected at run time if it was in force at import (always true on a machine
 without a GPU), and ``"triton"`` only on a GPU with the interpreter off.
 
-With the ``"triton"`` backend, CPU tensors are handled by the PyTorch path:
-the compiled kernels need CUDA memory.
+No silent fallbacks (SPEC 7): a call on a kernel backend that runs the PyTorch path
+instead names its rule (:data:`FALLBACK_RULES`), logs it once per entry point through
+the ``"mm3lab"`` logger (level INFO), and is remembered: :func:`fallbacks_taken` for the
+whole process, :func:`record_fallbacks` for a block of code (the benchmarks mark their
+records with it). ``mm3lab info`` lists the rules. Choosing the ``"torch"`` backend is
+not a fallback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import platform
 import sys
@@ -37,6 +42,22 @@ import torch
 
 BACKENDS = ("triton", "interpret", "torch")
 ENV_VAR = "MM3LAB_BACKEND"
+
+logger = logging.getLogger("mm3lab")
+
+FALLBACK_RULES = {
+    "cpu-tensors": "backend 'triton' with CPU tensors: the PyTorch path (compiled kernels need CUDA memory)",
+    "bf16-interpreter": "bfloat16 under Triton's interpreter: the PyTorch path (its bf16 arithmetic is not exact)",
+    "fp32-wide-index-heads": "float32 index queries with more than 16 index heads, compiled: the PyTorch scoring path "
+    "(float32 score tiles stay at 16 lanes)",
+    "topk-over-512": "topk > 512 in the sparse block table: the PyTorch path "
+    "(the kernel holds a row's ids in registers)",
+}
+"""Every rule by which a kernel entry point runs PyTorch instead (SPEC 7): name -> what and why."""
+
+_fallbacks: dict[str, str] = {}
+_logged: set[tuple[str, str]] = set()
+_recorders: list[dict[str, str]] = []
 
 _CUDA = torch.cuda.is_available()
 
@@ -104,13 +125,62 @@ def use_backend(name: str):
         set_backend(previous)
 
 
-def use_kernel(*tensors: torch.Tensor) -> bool:
-    """Whether a call on these tensors runs the Triton kernel (else the PyTorch path)."""
+def use_kernel(*tensors: torch.Tensor, entry_point: str | None = None, fallback: str | None = None) -> bool:
+    """Whether a call on these tensors runs the Triton kernel (else the PyTorch path).
+
+    ``fallback``: a :data:`FALLBACK_RULES` name the caller found to apply (or None). On a kernel
+    backend, a fallback of ``entry_point`` is recorded and logged (:func:`fallback_taken`).
+    """
     if _backend == "torch":
         return False
-    if _backend == "triton":
-        return all(t.is_cuda for t in tensors)
-    return True
+    if _backend == "triton" and not all(t.is_cuda for t in tensors):
+        fallback = "cpu-tensors"
+    if fallback is None:
+        return True
+    if entry_point is not None:
+        fallback_taken(entry_point, fallback)
+    return False
+
+
+def bf16_interpreted(dtype: torch.dtype) -> str | None:
+    """``"bf16-interpreter"`` when ``dtype`` is bfloat16 and kernels are interpreted, else None."""
+    return "bf16-interpreter" if INTERPRETER and dtype == torch.bfloat16 else None
+
+
+def fallback_taken(entry_point: str, rule: str) -> None:
+    """Note that ``entry_point`` ran the PyTorch path by ``rule``; logged once per (entry point, rule)."""
+    if rule not in FALLBACK_RULES:
+        raise ValueError(f"fallback rule: expected one of {', '.join(FALLBACK_RULES)}, got {rule!r}")
+    for record in _recorders:
+        record.setdefault(entry_point, rule)
+    _fallbacks[entry_point] = rule
+    if (entry_point, rule) in _logged:
+        return
+    _logged.add((entry_point, rule))
+    logger.info("mm3lab.%s runs the PyTorch path: %s", entry_point, FALLBACK_RULES[rule])
+
+
+def fallbacks_taken(reset: bool = False) -> dict[str, str]:
+    """Entry point -> rule name of the PyTorch fallbacks taken in this process (the latest rule of each).
+
+    ``reset=True`` also forgets them, so the next call reports only what was taken after this one
+    (the benchmarks mark each record this way). The log lines stay once per process.
+    """
+    taken = dict(_fallbacks)
+    if reset:
+        _fallbacks.clear()
+    return taken
+
+
+@contextlib.contextmanager
+def record_fallbacks():
+    """Context manager yielding a dict filled with the fallbacks (entry point -> rule) taken inside it."""
+    record: dict[str, str] = {}
+    _recorders.append(record)
+    try:
+        yield record
+    finally:
+        _recorders.remove(record)
 
 
 def info() -> dict:
@@ -133,4 +203,6 @@ def info() -> dict:
         "backend": _backend,
         "triton_interpreter": INTERPRETER,
         "available_backends": list(available_backends()),
+        "fallback_rules": [f"{name}: {text}" for name, text in FALLBACK_RULES.items()],
+        "fallbacks_taken": fallbacks_taken(),
     }

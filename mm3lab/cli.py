@@ -17,7 +17,12 @@ def _cmd_info(args) -> int:
     else:
         width = max(len(k) for k in data)
         for key, value in data.items():
-            print(f"{key:<{width}}  {value}")
+            if isinstance(value, list) and value:
+                print(f"{key:<{width}}  {value[0]}")
+                for item in value[1:]:
+                    print(f"{'':<{width}}  {item}")
+            else:
+                print(f"{key:<{width}}  {value}")
     return 0
 
 

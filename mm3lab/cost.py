@@ -157,7 +157,8 @@ def cost_table(context_lens=None, batch: int = 1, **shape) -> str:
     for c in cost_curve(context_lens, **shape):
         lines.append(
             f"{c.context_len:>9} {c.dense_tokens:>10} {c.sparse_tokens:>10} "
-            f"{batch * c.dense_kv_bytes / 1e6:>10.2f} {batch * c.sparse_total_bytes / 1e6:>10.2f} {c.total_saving:>6.1f}x"
+            f"{batch * c.dense_kv_bytes / 1e6:>10.2f} {batch * c.sparse_total_bytes / 1e6:>10.2f} "
+            f"{c.total_saving:>6.1f}x"
         )
     return "\n".join(lines)
 

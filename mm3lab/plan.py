@@ -66,11 +66,11 @@ from ._checks import (
     dtype_name,
     validation_enabled,
 )
-from ._rows import rows_and_slots
 from .constants import DEFAULT_TOPK, PAGES_PER_SPARSE_BLOCK
 from .fp8 import FP8_DTYPE
 from .index_cache.checks import check_index_cache, check_index_scale
 from .layout.views import check_kv_scales, check_kv_views
+from .rows import rows_and_slots
 
 __all__ = ["MSADecodePlan", "MSAPrefillPlan"]
 
@@ -153,13 +153,15 @@ class _MSAPlan:
     # --- construction ----------------------------------------------------------------------
 
     def _kernels_apply(self) -> bool:
+        # the rules of the entry points the plan launches (SPEC 7), logged and recorded under the plan's name
         k_cache, index_cache = self._caches[0], self._caches[2]
-        interpreted_bf16 = backend.INTERPRETER and torch.bfloat16 in (self.dtype, self.index_dtype)
-        wide_fp32 = (
+        fallback = backend.bf16_interpreted(self.dtype) or backend.bf16_interpreted(self.index_dtype)
+        if (
             self.index_dtype == torch.float32 and index_cache.dtype != FP8_DTYPE and k_cache.shape[2] > 16
             and not backend.INTERPRETER
-        )
-        return backend.use_kernel(k_cache, index_cache) and not interpreted_bf16 and not wide_fp32
+        ):
+            fallback = "fp32-wide-index-heads"
+        return backend.use_kernel(k_cache, index_cache, entry_point=type(self).__name__, fallback=fallback)
 
     def _allocate(self) -> None:
         n, b, m, h, dev = self.rows, self.batch, self.max_blocks, self.num_kv_heads, self.device
@@ -240,7 +242,7 @@ class _MSAPlan:
             if t.device != self.device:
                 raise ValueError(f"{name}: the {kind} was planned on {self.device}, got a tensor on {t.device}")
         names = ("k_cache", "v_cache", "index_cache", "index_scale", "k_scale", "v_scale")
-        for name, t, planned in zip(names, caches, self._cache_prints):
+        for name, t, planned in zip(names, caches, self._cache_prints, strict=True):
             if planned is None:
                 if t is not None:
                     raise ValueError(f"{name}: the {kind} was planned without it (not an FP8 cache), pass None")
@@ -378,15 +380,23 @@ class _MSAPlan:
         bt = inputs["block_table"]
         if self._prefill:
             req, pos, dql = inputs["query_req_id"], inputs["query_abs_pos"], 1
-            rows = lambda: rows_and_slots(bt, req, pos, self.slots)
-            table = lambda: build_sparse_block_table_prefill_kernel(
-                self.topk_idx, bt, req, pos, self.block_page_stride, self.sparse_bt, self.sparse_ctx)
+
+            def rows():
+                rows_and_slots(bt, req, pos, self.slots)
+
+            def table():
+                build_sparse_block_table_prefill_kernel(
+                    self.topk_idx, bt, req, pos, self.block_page_stride, self.sparse_bt, self.sparse_ctx)
         else:
             lens, dql = inputs["seq_lens"], self.decode_query_len
             req = pos = lens
-            rows = lambda: rows_and_slots(bt, self.req, self.pos, self.slots, seq_lens=lens, decode_query_len=dql)
-            table = lambda: build_sparse_block_table_decode_kernel(
-                self.topk_idx, bt, lens, dql, self.block_page_stride, self.sparse_bt, self.sparse_ctx)
+
+            def rows():
+                rows_and_slots(bt, self.req, self.pos, self.slots, seq_lens=lens, decode_query_len=dql)
+
+            def table():
+                build_sparse_block_table_decode_kernel(
+                    self.topk_idx, bt, lens, dql, self.block_page_stride, self.sparse_bt, self.sparse_ctx)
         positions = 2 if self._prefill else 1
 
         def insert():

@@ -36,6 +36,7 @@ import torch
 
 from ._checks import check_int
 from .constants import SPARSE_BLOCK_SIZE
+from .rows import decode_rows
 
 PATTERNS = ("needle", "sink", "recency", "random")
 """The structures :func:`make_sequence` can plant."""
@@ -174,7 +175,9 @@ def make_sequence(
         else:
             block = nb // 3 if needle_block is None else int(needle_block)
             if not 0 <= block < nb:
-                raise ValueError(f"needle_block: expected 0 <= needle_block < {nb} (blocks of the sequence), got {block}")
+                raise ValueError(
+                    f"needle_block: expected 0 <= needle_block < {nb} (blocks of the sequence), got {block}"
+                )
         # One shared direction g; each head's query direction u_h is close to it.
         g = _unit(torch.randn(di, generator=gen))
         u = _unit(g + 0.3 * _unit(torch.randn(h, di, generator=gen)))  # [H, Di]
@@ -373,10 +376,9 @@ def synthetic_layer(
     full_index_k = torch.zeros(batch, s_max, di)
     for r, sq in enumerate(seqs):
         full_key[r, : lens[r]], full_value[r, : lens[r]], full_index_k[r, : lens[r]] = sq.k, sq.v, sq.index_k
-    req = torch.arange(batch).repeat_interleave(dql)
-    pos = torch.tensor(lens)[req] - dql + torch.arange(batch * dql) % dql
-    q = torch.stack([seqs[r].q[p] for r, p in zip(req.tolist(), pos.tolist())])
-    index_q = torch.stack([seqs[r].index_q[p] for r, p in zip(req.tolist(), pos.tolist())])
+    req, pos = decode_rows(torch.tensor(lens), dql)
+    q = torch.stack([seqs[r].q[p] for r, p in zip(req.tolist(), pos.tolist(), strict=True)])
+    index_q = torch.stack([seqs[r].index_q[p] for r, p in zip(req.tolist(), pos.tolist(), strict=True)])
 
     cache = allocate_kv_cache(num_blocks, hkv, d, layout, dtype=dtype, device=device, fill=0.0)
     index_cache = allocate_index_cache(num_blocks, di, dtype=dtype, device=device, fill=0.0)

@@ -59,14 +59,88 @@ def assert_close(
     name: str = "output",
     limit: int = 12,
 ) -> None:
-    """Elementwise ``|a - e| <= atol + rtol * |e|``; NaN never passes. Reports the relative error."""
+    """Elementwise ``a == e`` or ``|a - e| <= atol + rtol * |e|``; NaN never passes. Reports the relative error."""
     if tuple(actual.shape) != tuple(expected.shape):
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
     a = actual.detach().cpu().double()
     e = expected.detach().cpu().double()
-    bad = ~((a - e).abs() <= atol + rtol * e.abs())  # NaN compares False, so it is bad
+    bad = ~((a == e) | ((a - e).abs() <= atol + rtol * e.abs()))  # equal infinities pass; NaN never does
     if bad.any():
         raise AssertionError(
             f"{name}: relative error {relative_error(a, e):.3e} (atol={atol}, rtol={rtol}); "
             + _mismatch_report(a, e, bad, limit)
         )
+
+
+def assert_same(
+    actual, expected, name: str = "output", *, atol: float | None = None, rtol: float = 0.0, limit: int = 12
+) -> None:
+    """The one comparison of the test harness, printing the mismatching elements.
+
+    Tensors, or tuples/lists of them (compared item by item). Integer tensors: exact
+    (:func:`assert_equal_int`). Float tensors: the same dtype and identical values when ``atol`` is
+    None (``a == e``, or both NaN: what a copy or an exact computation gives), else
+    :func:`assert_close` within ``atol + rtol * |expected|``.
+    """
+    if isinstance(expected, (tuple, list)):
+        if not isinstance(actual, (tuple, list)) or len(actual) != len(expected):
+            raise AssertionError(f"{name}: expected {len(expected)} results, got {actual!r:.80}")
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same(a, e, f"{name}[{i}]", atol=atol, rtol=rtol, limit=limit)
+        return
+    if expected is None or actual is None:
+        if actual is not expected:
+            raise AssertionError(f"{name}: one result is None, the other is not")
+        return
+    if not expected.dtype.is_floating_point:
+        assert_equal_int(actual, expected, name, limit)
+        return
+    if atol is not None:
+        assert_close(actual, expected, atol=atol, rtol=rtol, name=name, limit=limit)
+        return
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    if actual.dtype != expected.dtype:
+        raise AssertionError(f"{name}: dtype {actual.dtype} != expected {expected.dtype}")
+    a, e = actual.detach().cpu(), expected.detach().cpu()
+    bad = ~((a == e) | (torch.isnan(a) & torch.isnan(e)))
+    if bad.any():
+        raise AssertionError(f"{name}: values differ; " + _mismatch_report(a, e, bad, limit))
+
+
+PATHS = ("kernel", "torch", "reference")
+"""The ways :func:`run_paths` runs an entry point: the public entry on the backend in force
+(the Triton kernel where it applies), the same entry on the ``"torch"`` backend, and its twin
+of the same name in :mod:`mm3lab.reference`."""
+
+
+def run_paths(entry, make_inputs, *, result=None, paths=PATHS) -> dict:
+    """Run ``entry`` once per path on fresh inputs; ``{path: what it gave}``.
+
+    Args:
+        entry: a public entry point (its reference twin is ``mm3lab.reference.<entry.__name__>``).
+        make_inputs: ``() -> (args, kwargs)``, called once per path, so outputs and caches can be
+            made afresh and poisoned (:func:`poison`) for each: a path that skips an element shows.
+        result: ``(returned, args, kwargs) -> value`` to compare (default: the return value), e.g.
+            the cache an in-place entry point wrote.
+        paths: a subset of :data:`PATHS`.
+    """
+    import contextlib
+
+    from . import backend, reference
+
+    got = {}
+    for path in paths:
+        args, kwargs = make_inputs()
+        fn = getattr(reference, entry.__name__) if path == "reference" else entry
+        with backend.use_backend("torch") if path == "torch" else contextlib.nullcontext():
+            returned = fn(*args, **kwargs)
+        got[path] = returned if result is None else result(returned, args, kwargs)
+    return got
+
+
+def assert_paths_agree(got: dict, name: str = "output", *, against: str = "reference", **tolerance) -> None:
+    """Every path of :func:`run_paths` gives what path ``against`` gave (:func:`assert_same`)."""
+    for path, value in got.items():
+        if path != against:
+            assert_same(value, got[against], f"{name}: {path} vs {against}", **tolerance)

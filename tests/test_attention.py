@@ -25,7 +25,8 @@ import mm3lab
 from mm3lab import reference
 from mm3lab.attention import kernel as attn_kernel
 from mm3lab.constants import PAGE_SIZE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
-from mm3lab.testing import assert_close, poison, relative_error
+from mm3lab.rows import decode_rows
+from mm3lab.testing import assert_close, assert_same, poison, relative_error, run_paths
 
 # (atol, rtol) of the kernel against the float32 reference, per input dtype.
 TOLERANCE = {
@@ -89,8 +90,7 @@ def make_case(
                 slots.to(device),
             )
     if mode == "decode":
-        req = torch.arange(b).repeat_interleave(dql)
-        pos = torch.tensor(seq_lens)[req] - dql + torch.arange(b * dql) % dql
+        req, pos = decode_rows(torch.tensor(seq_lens), dql)
     else:
         pairs = [(r, p) for r, length in enumerate(seq_lens) for p in range(length)]
         pick = torch.randperm(len(pairs), generator=g)[: rows or len(pairs)].tolist()
@@ -141,6 +141,7 @@ def run_kernel(case: Case, **launch):
 
 
 def run_reference(case: Case):
+    """The PyTorch reference on the case's sparse block table: ``(out, lse)``."""
     return reference.sparse_attention(
         case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx, return_lse=True
     )
@@ -156,20 +157,30 @@ def run_dense(case: Case):
 def assert_lse_close(actual, expected, atol, rtol, name="lse"):
     empty = torch.isinf(expected.cpu())
     assert torch.equal(torch.isinf(actual.cpu()), empty), f"{name}: -inf (ctx == 0) rows differ"
-    assert_close(actual.cpu().masked_fill(empty, 0), expected.cpu().masked_fill(empty, 0), atol=atol, rtol=rtol, name=name)
+    finite = actual.cpu().masked_fill(empty, 0), expected.cpu().masked_fill(empty, 0)
+    assert_close(*finite, atol=atol, rtol=rtol, name=name)
 
 
-def check_all_agree(case: Case, **launch):
+def attention_every_path(case: Case, **launch):
+    """Every path of ``sparse_attention`` (:func:`mm3lab.testing.run_paths`) on poisoned outputs,
+    the kernel path launched directly when ``launch`` overrides num_splits / block_n: each within
+    the dtype's tolerance of the reference; in float32 the reference also matches dense-masked attention."""
     dtype = case.q.dtype
     atol, rtol = TOLERANCE[dtype]
-    out_ref, lse_ref = run_reference(case)
-    out_k, lse_k = run_kernel(case, **launch)
-    assert out_k.dtype == dtype
-    assert_close(out_k, out_ref, atol=atol, rtol=rtol, name="kernel vs reference")
-    assert_lse_close(lse_k, lse_ref, atol=max(atol, 1e-4), rtol=rtol)
+    args = (case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx)
+    got = run_paths(
+        mm3lab.sparse_attention, lambda: (args, {"return_lse": True, "out": poison(torch.empty_like(case.q))})
+    )
+    if launch:
+        got["kernel"] = run_kernel(case, **launch)
+    out_ref, lse_ref = got.pop("reference")
+    for path, (out, lse) in got.items():
+        assert out.dtype == dtype
+        assert_same(out, out_ref, f"out: {path} vs reference", atol=atol, rtol=rtol)
+        assert_lse_close(lse, lse_ref, atol=max(atol, 1e-4), rtol=rtol, name=f"lse: {path} vs reference")
     if dtype == torch.float32:
         out_dense, lse_dense = run_dense(case)
-        assert_close(out_ref, out_dense, atol=REF_TOL[0], rtol=REF_TOL[1], name="reference vs dense-masked")
+        assert_same(out_ref, out_dense, "reference vs dense-masked", atol=REF_TOL[0], rtol=REF_TOL[1])
         assert_lse_close(lse_ref, lse_dense, *REF_TOL)
     return out_ref
 
@@ -182,16 +193,21 @@ SHAPES = [(1, 1, 64), (2, 4, 128), (4, 3, 80), (1, 16, 96)]  # (Hkv, group size,
 MODES = [("decode", 1), ("decode", 3), ("prefill", None)]  # decode, speculative decode, prefill
 
 
+def shape_cases(device, layout, mode, dql, hkv, group, d):
+    """The cases of one (layout, mode, shape), one per dtype the device runs (shared with test_attention_tiled)."""
+    for dtype in dtypes_for(device):
+        yield make_case(
+            layout=layout, mode=mode, hkv=hkv, group=group, d=d, dtype=dtype, device=device,
+            seq_lens=[300, 1, 141], topk=3, seed=hkv * 100 + group * 10 + d, dql=dql or 1, rows=6, pad_rows=1,
+        )
+
+
 @pytest.mark.parametrize("layout", ["dense", "packed"])
 @pytest.mark.parametrize("mode,dql", MODES, ids=["decode", "spec_decode", "prefill"])
 @pytest.mark.parametrize("hkv,group,d", SHAPES, ids=lambda v: str(v))
 def test_kernel_matches_references(device, layout, mode, dql, hkv, group, d):
-    for dtype in dtypes_for(device):
-        case = make_case(
-            layout=layout, mode=mode, hkv=hkv, group=group, d=d, dtype=dtype, device=device,
-            seq_lens=[300, 1, 141], topk=3, seed=hkv * 100 + group * 10 + d, dql=dql or 1, rows=6, pad_rows=1,
-        )
-        check_all_agree(case)
+    for case in shape_cases(device, layout, mode, dql, hkv, group, d):
+        attention_every_path(case)
 
 
 @pytest.mark.parametrize("num_splits,block_n", [(1, 16), (2, 32), (3, 64), (7, 16), (64, 32)])
@@ -201,7 +217,7 @@ def test_split_over_pages_and_merge(device, num_splits, block_n):
         layout="packed", mode="decode", hkv=2, group=5, d=64, dtype=torch.float32, device=device,
         seq_lens=[517, 20], topk=4, seed=num_splits,
     )
-    check_all_agree(case, num_splits=num_splits, block_n=block_n)
+    attention_every_path(case, num_splits=num_splits, block_n=block_n)
 
 
 def test_ctx_zero_gives_zeros(device):
@@ -280,18 +296,23 @@ def cases(draw, device):
     )
 
 
-@settings(max_examples=25)
-@given(data=st.data())
-def test_property_sweep_cpu(data):
-    check_all_agree(data.draw(cases("cpu")))
+def _property_sweep(device: str, max_examples: int) -> None:
+    @settings(max_examples=max_examples)
+    @given(data=st.data())
+    def sweep(data):
+        attention_every_path(data.draw(cases(device)))
+
+    sweep()
+
+
+def test_property_sweep_cpu():
+    _property_sweep("cpu", 25)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@settings(max_examples=100)
-@given(data=st.data())
-def test_property_sweep_cuda(data):
-    check_all_agree(data.draw(cases("cuda")))
+def test_property_sweep_cuda():
+    _property_sweep("cuda", 100)
 
 
 @pytest.mark.gpu
@@ -304,7 +325,7 @@ def test_model_shape_cuda(dtype, batch):
         layout="packed", mode="decode", hkv=4, group=16, d=128, dtype=dtype, device="cuda",
         seq_lens=[3000 + 97 * i for i in range(batch)], topk=16, seed=batch,
     )
-    check_all_agree(case)
+    attention_every_path(case)
     out_dense, _ = run_dense(case)
     atol, rtol = TOLERANCE[dtype]
     out = run_kernel(case)[0]

@@ -28,6 +28,7 @@ from test_attention import (
     make_case,
     run_dense,
     run_reference,
+    shape_cases,
 )
 
 import mm3lab
@@ -82,7 +83,9 @@ def make_chunk_case(
     )
     g = torch.Generator().manual_seed(seed + 1)
     req = torch.cat([torch.full((c,), r) for r, c in enumerate(chunk)] + [torch.zeros(pad_rows, dtype=torch.long)])
-    pos = torch.cat([torch.arange(s - c, s) for s, c in zip(seq_lens, chunk)] + [torch.full((pad_rows,), -1)])
+    pos = torch.cat(
+        [torch.arange(s - c, s) for s, c in zip(seq_lens, chunk, strict=True)] + [torch.full((pad_rows,), -1)]
+    )
     n = req.shape[0]
     width_blocks = base.block_table.shape[1]
     topk_idx = torch.full((hkv, n, topk), -1, dtype=torch.int32)
@@ -125,11 +128,7 @@ def make_chunk_case(
 @pytest.mark.parametrize("mode,dql", MODES, ids=["decode", "spec_decode", "prefill"])
 @pytest.mark.parametrize("hkv,group,d", SHAPES, ids=lambda v: str(v))
 def test_tiled_matches_references(device, layout, mode, dql, hkv, group, d):
-    for dtype in dtypes_for(device):
-        case = make_case(
-            layout=layout, mode=mode, hkv=hkv, group=group, d=d, dtype=dtype, device=device,
-            seq_lens=[300, 1, 141], topk=3, seed=hkv * 100 + group * 10 + d, dql=dql or 1, rows=6, pad_rows=1,
-        )
+    for case in shape_cases(device, layout, mode, dql, hkv, group, d):
         check_tiled(case)
 
 

@@ -168,3 +168,88 @@ def test_env_var_triton_without_a_gpu_fails_clearly():
     out = _python("import mm3lab", "triton")
     assert out.returncode != 0
     assert "needs a CUDA GPU" in out.stderr
+
+
+# --- no silent fallbacks (SPEC 7) -------------------------------------------------------------
+
+
+def test_fallbacks_are_recorded_and_logged_once(device, kernel_backend, caplog):
+    topk_idx = torch.full((1, 2, 513), -1, dtype=torch.int32, device=device)
+    topk_idx[:, :, 0] = 0
+    block_table = torch.tensor([[3]], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([2], dtype=torch.int32, device=device)
+    want = "cpu-tensors" if kernel_backend == "triton" and device == "cpu" else "topk-over-512"
+    name = "build_sparse_block_table_decode"
+    caplog.set_level("INFO", logger="mm3lab")
+    with mm3lab.use_backend(kernel_backend):
+        with backend.record_fallbacks() as taken:
+            first = mm3lab.build_sparse_block_table_decode(topk_idx, block_table, seq_lens, 2)
+            mm3lab.build_sparse_block_table_decode(topk_idx, block_table, seq_lens, 2)
+        assert taken == {name: want}
+    assert backend.fallbacks_taken()[name] == want
+    assert want in backend.FALLBACK_RULES
+    assert_equal_int(first[1], reference.build_sparse_block_table_decode(topk_idx, block_table, seq_lens, 2)[1])
+    logged = [r for r in caplog.records if r.name == "mm3lab" and name in r.getMessage()]
+    assert len(logged) <= 1  # once per process: an earlier test may already have logged it
+    with mm3lab.use_backend("torch"), backend.record_fallbacks() as taken:
+        mm3lab.build_sparse_block_table_decode(topk_idx, block_table, seq_lens, 2)
+    assert taken == {}  # choosing the PyTorch backend is not a fallback
+
+
+def test_bf16_in_the_interpreter_is_a_named_fallback():
+    if not backend.INTERPRETER:
+        pytest.skip("only the interpreter falls back for bfloat16")
+    scores = torch.randn(3, 40).to(torch.bfloat16)
+    with backend.record_fallbacks() as taken:
+        got = mm3lab.topk_blocks(scores, 4)
+    assert taken == {"topk_blocks": "bf16-interpreter"}
+    assert_equal_int(got, reference.topk_blocks(scores, 4))
+
+
+def test_fallback_rules_are_listed_by_info():
+    data = mm3lab.info()
+    assert len(data["fallback_rules"]) == len(backend.FALLBACK_RULES)
+    for name, line in zip(backend.FALLBACK_RULES, data["fallback_rules"], strict=True):
+        assert line.startswith(name + ": ")
+    with pytest.raises(ValueError, match="fallback rule"):
+        backend.fallback_taken("sparse_attention", "no-such-rule")
+
+
+def test_fallbacks_taken_reset_reports_only_what_came_after():
+    if not backend.INTERPRETER:
+        pytest.skip("the bfloat16 rule applies to the interpreter only")
+    scores = torch.randn(2, 20).to(torch.bfloat16)
+    mm3lab.topk_blocks(scores, 3)
+    assert backend.fallbacks_taken(reset=True)["topk_blocks"] == "bf16-interpreter"
+    assert backend.fallbacks_taken() == {}
+    mm3lab.topk_blocks(scores.float(), 3)  # the kernel: nothing taken
+    assert backend.fallbacks_taken() == {}
+    mm3lab.topk_blocks(scores, 3)
+    assert backend.fallbacks_taken() == {"topk_blocks": "bf16-interpreter"}
+
+
+def test_benchmark_records_name_the_fallbacks_since_the_last_record():
+    if not backend.INTERPRETER:
+        pytest.skip("the bfloat16 rule applies to the interpreter only")
+    from benchmarks.common import fallback_reason
+
+    fallback_reason()  # forget what earlier tests took
+    assert fallback_reason() is None
+    mm3lab.topk_blocks(torch.randn(2, 20).to(torch.bfloat16), 3)
+    assert fallback_reason() == "topk_blocks: bf16-interpreter"
+    assert fallback_reason() is None
+
+
+def test_a_plan_on_the_pytorch_path_names_its_rule():
+    if not backend.INTERPRETER:
+        pytest.skip("the bfloat16 rule applies to the interpreter only")
+    from mm3lab.msa import synthetic_layer
+
+    layer = synthetic_layer(200, dtype=torch.bfloat16)
+    with backend.record_fallbacks() as taken:
+        plan = mm3lab.MSADecodePlan(
+            layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, batch=1, max_blocks=4,
+            num_q_heads=layer.q.shape[1],
+        )
+    assert not plan.uses_kernels
+    assert taken == {"MSADecodePlan": "bf16-interpreter"}

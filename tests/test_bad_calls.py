@@ -185,7 +185,7 @@ def _generated() -> list[Case]:
             if len(e.args) > 1 and arg != e.args[0]:
                 cases.append(Case(e.name, f"{arg}-device", _set(arg, lambda t, d: t.to(_other_device(d))),
                                   ValueError, shown))
-        for name, (lo, hi) in e.ints.items():
+        for name, (lo, _hi) in e.ints.items():
             cases += [
                 Case(e.name, f"{name}-bool", _set(name, lambda v, d: True), TypeError, name),
                 Case(e.name, f"{name}-float", _set(name, lambda v, d: float(v)), TypeError, name),
@@ -240,7 +240,8 @@ for entry in ("msa_decode", "dense_decode"):
         Case(entry, "seq_lens-past-table", _v("seq_lens", [200, 385]), ValueError, "seq_lens"),
         Case(entry, "seq_lens-int64max", _v("seq_lens", [200, I64_MAX], torch.int64), ValueError, "seq_lens"),
         Case(entry, "seq_lens-2**31", _v("seq_lens", [200, 2**31], torch.int64), ValueError, "seq_lens"),
-        Case(entry, "seq_lens-nan-caches", _v("seq_lens", [200, 2**40], torch.int64), ValueError, "seq_lens", nan_caches=True),
+        Case(entry, "seq_lens-nan-caches", _v("seq_lens", [200, 2**40], torch.int64),
+             ValueError, "seq_lens", nan_caches=True),
         Case(entry, "decode_query_len-2", _set("decode_query_len", lambda v, d: 2), ValueError, "q"),
         Case(entry, "decode_query_len-huge", _set("decode_query_len", lambda v, d: 2**62), ValueError, "q"),
     ]
@@ -250,7 +251,8 @@ for entry in ("msa_prefill", "dense_prefill"):
         Case(entry, "query_req_id-minus1", _v("query_req_id", [0, -1]), ValueError, "query_req_id"),
         Case(entry, "query_req_id-int64min", _v("query_req_id", [0, I64_MIN], torch.int64), ValueError, "query_req_id"),
         Case(entry, "query_abs_pos-past-table", _v("query_abs_pos", [199, 384]), ValueError, "query_abs_pos"),
-        Case(entry, "query_abs_pos-int64max", _v("query_abs_pos", [199, I64_MAX], torch.int64), ValueError, "query_abs_pos"),
+        Case(entry, "query_abs_pos-int64max", _v("query_abs_pos", [199, I64_MAX], torch.int64),
+             ValueError, "query_abs_pos"),
         Case(entry, "query_req_id-short", _v("query_req_id", [0]), ValueError, "query_req_id"),
     ]
 for entry in MSA:
@@ -275,7 +277,8 @@ HAND += [
     Case("build_sparse_block_table_decode", "out-aliased", lambda a, kw, d: kw.update(
         out=(torch.zeros(1, 2, 16, dtype=torch.int32, device=d),) * 2), ValueError, "out"),
     Case("build_sparse_block_table_decode", "out-list3", lambda a, kw, d: kw.update(out=[None] * 3), TypeError, "out"),
-    Case("build_sparse_block_table_decode", "topk_idx-past-table", _v("topk_idx", [[[3, 0], [2, 0]]]), ValueError, "topk_idx"),
+    Case("build_sparse_block_table_decode", "topk_idx-past-table", _v("topk_idx", [[[3, 0], [2, 0]]]),
+         ValueError, "topk_idx"),
     Case("build_sparse_block_table_decode", "topk_idx-int64max", _v("topk_idx", [[[I64_MAX, 0], [2, 0]]], torch.int64),
          ValueError, "topk_idx"),
     Case("build_sparse_block_table_decode", "block_table-page-overflow", _v("block_table", [[0, 1, 2], [3, 4, 2**28]]),
@@ -292,11 +295,15 @@ HAND += [
     Case("reference.build_sparse_block_table_prefill", "block_table-page-overflow",
          _v("block_table", [[0, 1, 2], [3, 4, 2**28]], torch.int64), ValueError, "block_table"),
     Case("rebase_block_table_to_page16", "overflow-2**30", _v("block_table", [[0, 2**30]]), ValueError, "block_table"),
-    Case("rebase_block_table_to_page16", "overflow-negative", _v("block_table", [[0, -(2**30) - 1]]), ValueError, "block_table"),
-    Case("rebase_block_table_to_page16", "overflow-int64", _v("block_table", [[0, 2**62]], torch.int64), ValueError, "block_table"),
-    Case("vllm.rebase_block_table_to_page16", "overflow-2**30", _v("block_table", [[0, 2**30]]), ValueError, "block_table"),
+    Case("rebase_block_table_to_page16", "overflow-negative", _v("block_table", [[0, -(2**30) - 1]]),
+         ValueError, "block_table"),
+    Case("rebase_block_table_to_page16", "overflow-int64", _v("block_table", [[0, 2**62]], torch.int64),
+         ValueError, "block_table"),
+    Case("vllm.rebase_block_table_to_page16", "overflow-2**30", _v("block_table", [[0, 2**30]]),
+         ValueError, "block_table"),
     Case("rebase_slot_mapping_to_page16", "overflow-2**30", _v("query_abs_pos", [0, 2**30]), ValueError, "slots"),
-    Case("rebase_slot_mapping_to_page16", "overflow-int64", _v("query_abs_pos", [0, 2**62], torch.int64), ValueError, "slots"),
+    Case("rebase_slot_mapping_to_page16", "overflow-int64", _v("query_abs_pos", [0, 2**62], torch.int64),
+         ValueError, "slots"),
     Case("rebase_block_table_to_page16", "out-int64", lambda a, kw, d: kw.update(
         out=torch.zeros(2, 3, dtype=torch.int64, device=d)), TypeError, "out"),
     Case("rebase_block_table_to_page16", "out-shape", lambda a, kw, d: kw.update(

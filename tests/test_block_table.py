@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import mm3lab  # noqa: I001  (before triton: it selects the interpreter on a machine without a GPU)
-import triton
-import triton.language as tl
+import mm3lab
 from mm3lab import reference
 from mm3lab.block_table import (
     attended_ranges,
@@ -33,7 +33,8 @@ from mm3lab.block_table.kernel import emit_sparse_block_table_row
 from mm3lab.compat import vllm
 from mm3lab.constants import PAGES_PER_SPARSE_BLOCK as PAGES
 from mm3lab.constants import SPARSE_BLOCK_SIZE as BLOCK
-from mm3lab.testing import GARBAGE_INT, assert_equal_int, poison
+from mm3lab.rows import decode_rows
+from mm3lab.testing import GARBAGE_INT, assert_equal_int, assert_paths_agree, poison, run_paths
 
 STRIDES = (8, 16)
 
@@ -48,23 +49,25 @@ def pages_of(physical, stride):
     return [physical * stride + j for j in range(PAGES)]
 
 
-def run_all_paths(entry, args, kwargs, h, n, k, device, own_outputs=True):
-    """The kernel (poisoned ``out``), the kernel allocating its own outputs, the torch backend and
-    the reference; every result must be identical. Returns the kernel's."""
-    out = poisoned_out(h, n, k, device)
-    sbt, ctx = entry(*args, **kwargs, out=out)
-    assert sbt.data_ptr() == out[0].data_ptr() and ctx.data_ptr() == out[1].data_ptr()
-    results = [(sbt, ctx)] + ([entry(*args, **kwargs)] if own_outputs else [])
-    with mm3lab.use_backend("torch"):
-        results.append(entry(*args, **kwargs, out=poisoned_out(h, n, k, device)))
-    ref = getattr(reference, entry.__name__)
-    results.append(ref(*args, **kwargs))
-    for got_bt, got_ctx in results:
+def build_every_path(entry, args, kwargs, h, n, k, device, own_outputs=True):
+    """Every path (:func:`mm3lab.testing.run_paths`) into poisoned ``out`` buffers, and the kernel
+    allocating its own outputs; every result must be identical. Returns the kernel's."""
+    outs = []
+
+    def inputs():
+        outs.append(poisoned_out(h, n, k, device))
+        return args, {**kwargs, "out": outs[-1]}
+
+    got = run_paths(entry, inputs)
+    sbt, ctx = got["kernel"]
+    assert sbt.data_ptr() == outs[0][0].data_ptr() and ctx.data_ptr() == outs[0][1].data_ptr()
+    if own_outputs:
+        got["own outputs"] = entry(*args, **kwargs)
+    for got_bt, got_ctx in got.values():
         assert got_bt.dtype == torch.int32 and got_ctx.dtype == torch.int32
         assert got_bt.is_contiguous() and got_ctx.is_contiguous()
         assert got_bt.device.type == torch.device(device).type
-        assert_equal_int(got_bt, results[-1][0], "sparse_bt")
-        assert_equal_int(got_ctx, results[-1][1], "sparse_ctx")
+    assert_paths_agree(got, "(sparse_bt, sparse_ctx)")
     return sbt, ctx
 
 
@@ -88,11 +91,11 @@ def test_worked_examples(device, dtype, topk, table, seq_len, physical, ctx, str
     t = torch.tensor([[topk]], dtype=dtype, device=device)
     bt = torch.tensor([table], dtype=dtype, device=device)
     args = (t, bt, torch.tensor([seq_len], dtype=dtype, device=device))
-    sbt, sctx = run_all_paths(build_sparse_block_table_decode, args, {"block_page_stride": stride}, 1, 1, 3, device)
+    sbt, sctx = build_every_path(build_sparse_block_table_decode, args, {"block_page_stride": stride}, 1, 1, 3, device)
     assert sbt[0, 0].tolist() == expected and sctx.tolist() == [[ctx]]
     # The same row as prefill: request 0 at p = seq_len - 1.
     args = (t, bt, torch.tensor([0], dtype=dtype, device=device), torch.tensor([seq_len - 1], device=device))
-    sbt, sctx = run_all_paths(build_sparse_block_table_prefill, args, {"block_page_stride": stride}, 1, 1, 3, device)
+    sbt, sctx = build_every_path(build_sparse_block_table_prefill, args, {"block_page_stride": stride}, 1, 1, 3, device)
     assert sbt[0, 0].tolist() == expected and sctx.tolist() == [[ctx]]
     # And through the upstream names (H = 1, head dimension dropped).
     sbt, sctx = vllm.minimax_m3_build_sparse_block_table_decode(args[0], bt, torch.tensor([seq_len], device=device),
@@ -125,7 +128,7 @@ def test_duplicates_are_attended_once(device, stride):
     # Tail (block 2) named three times, full block 0 twice; p = 300 -> self_blk = 2.
     t = torch.tensor([[[2, 0, 2, 0, 1, 2]]], device=device)
     bt = torch.tensor([[10, 11, 12]], device=device)
-    sbt, ctx = run_all_paths(build_sparse_block_table_decode, (t, bt, torch.tensor([301], device=device)),
+    sbt, ctx = build_every_path(build_sparse_block_table_decode, (t, bt, torch.tensor([301], device=device)),
                              {"block_page_stride": stride}, 1, 1, 6, device)
     expected = pages_of(10, stride) + pages_of(11, stride) + pages_of(12, stride) + [0] * (3 * PAGES)
     assert sbt[0, 0].tolist() == expected
@@ -136,7 +139,7 @@ def test_blocks_after_the_query_and_padding_are_dropped(device):
     # dql = 3 rows of one request at p = 126, 127, 128: block 1 is future, then the tail.
     t = torch.tensor([[[1, 0, -1]] * 3], device=device)
     bt = torch.tensor([[5, 7]], device=device)
-    sbt, ctx = run_all_paths(build_sparse_block_table_decode, (t, bt, torch.tensor([129], device=device), 3), {},
+    sbt, ctx = build_every_path(build_sparse_block_table_decode, (t, bt, torch.tensor([129], device=device), 3), {},
                              1, 3, 3, device)
     assert ctx.tolist() == [[127, 128, 129]]
     assert sbt[0, 0].tolist() == pages_of(5, 8) + [0] * 16  # block 0 is the tail of rows 0 and 1
@@ -147,7 +150,7 @@ def test_speculative_decode_rows_with_padding(device):
     # seq_len 1 with dql 3: rows at p = -2, -1 are padded, row 2 at p = 0.
     t = torch.tensor([[[0, -1]] * 3], device=device)
     bt = torch.tensor([[9]], device=device)
-    sbt, ctx = run_all_paths(build_sparse_block_table_decode, (t, bt, torch.tensor([1], device=device), 3), {},
+    sbt, ctx = build_every_path(build_sparse_block_table_decode, (t, bt, torch.tensor([1], device=device), 3), {},
                              1, 3, 2, device)
     assert ctx.tolist() == [[0, 0, 1]]
     assert sbt[0, :2].eq(0).all() and sbt[0, 2].tolist() == pages_of(9, 8) + [0] * 8
@@ -159,7 +162,7 @@ def test_prefill_chunk_shares_its_tail(device):
     t = torch.tensor([[[1, 0]] * 5], device=device)
     bt = torch.tensor([[0, 0], [4, 6]], device=device)
     req = torch.ones(5, dtype=torch.int32, device=device)
-    sbt, ctx = run_all_paths(build_sparse_block_table_prefill, (t, bt, req, pos), {}, 1, 5, 2, device)
+    sbt, ctx = build_every_path(build_sparse_block_table_prefill, (t, bt, req, pos), {}, 1, 5, 2, device)
     assert ctx.tolist() == [[127, 128, 129, 130, 131]]
     assert sbt[0, 0].tolist() == pages_of(4, 8) + [0] * 8
     assert sbt[0, 4].tolist() == pages_of(4, 8) + pages_of(6, 8)
@@ -172,7 +175,7 @@ def test_validation_off_defines_out_of_range(device):
     bt = torch.tensor([[3, 4], [6, 7], [8, 9]], device=device)
     seq_lens = torch.tensor([256, 200, 1000], device=device)
     with mm3lab.validation(False):
-        sbt, ctx = run_all_paths(build_sparse_block_table_decode, (t, bt, seq_lens), {}, 1, 3, 3, device)
+        sbt, ctx = build_every_path(build_sparse_block_table_decode, (t, bt, seq_lens), {}, 1, 3, 3, device)
     assert ctx.tolist() == [[256, 200, 256]]
     assert sbt[0, 0].tolist() == pages_of(3, 8) + pages_of(4, 8) + [0] * 8
     assert sbt[0, 2].tolist() == pages_of(8, 8) + pages_of(9, 8) + [0] * 8  # self block 7 is past the table
@@ -181,7 +184,7 @@ def test_validation_off_defines_out_of_range(device):
     pos = torch.tensor([5, 5, 5, -1], device=device)
     t4 = torch.tensor([[[0, -1]] * 4], device=device)
     with mm3lab.validation(False):
-        sbt, ctx = run_all_paths(build_sparse_block_table_prefill, (t4, bt, req, pos), {}, 1, 4, 2, device)
+        sbt, ctx = build_every_path(build_sparse_block_table_prefill, (t4, bt, req, pos), {}, 1, 4, 2, device)
     assert ctx.tolist() == [[6, 0, 0, 0]]
     assert sbt[0, 1:].eq(0).all()
 
@@ -191,13 +194,13 @@ def test_no_rows_and_no_selection(device):
         t = torch.full((h, n, k), -1, dtype=torch.int32, device=device)
         bt = torch.zeros(n, 2, dtype=torch.int32, device=device)
         seq = torch.full((n,), 100, dtype=torch.int32, device=device)
-        sbt, ctx = run_all_paths(build_sparse_block_table_decode, (t, bt, seq), {}, h, n, k, device)
+        sbt, ctx = build_every_path(build_sparse_block_table_decode, (t, bt, seq), {}, h, n, k, device)
         assert sbt.shape == (h, n, k * PAGES) and ctx.shape == (h, n) and not ctx.any()
     # A prefill batch of padded rows only, with an empty block table.
     t = torch.full((1, 2, 2), -1, device=device)
     bt = torch.zeros(0, 0, dtype=torch.int32, device=device)
     rows = torch.tensor([-1, -1], device=device)
-    sbt, ctx = run_all_paths(build_sparse_block_table_prefill, (t, bt, rows, rows), {}, 1, 2, 2, device)
+    sbt, ctx = build_every_path(build_sparse_block_table_prefill, (t, bt, rows, rows), {}, 1, 2, 2, device)
     assert not sbt.any() and not ctx.any()
 
 
@@ -306,9 +309,9 @@ def _check_case(entry, case, device):
         except ValueError as err:
             assert any(name in str(err) for name in ("topk_idx", "seq_lens", "query_req_id", "query_abs_pos"))
         with mm3lab.validation(False):
-            run_all_paths(entry, args, {}, h, n, k, device, own_outputs=False)
+            build_every_path(entry, args, {}, h, n, k, device, own_outputs=False)
     else:
-        run_all_paths(entry, args, {}, h, n, k, device, own_outputs=False)
+        build_every_path(entry, args, {}, h, n, k, device, own_outputs=False)
 
 
 @settings(max_examples=150)
@@ -533,7 +536,7 @@ def test_large_decode_and_prefill_on_gpu(stride):
     seq_lens = torch.randint(0, m * BLOCK + 1, (b,), generator=gen)
     seq_lens[:4] = torch.tensor([0, 1, m * BLOCK, 3])
     table = torch.randperm(b * m, generator=gen).reshape(b, m).to(torch.int32)
-    pos = (seq_lens[:, None] - dql + torch.arange(dql)[None, :]).reshape(-1)
+    pos = decode_rows(seq_lens, dql)[1]
     topk = _model_like_selection(pos.clamp(min=0), h, k, gen)
     topk[:, pos < 0] = -1
     token_major = topk.transpose(0, 1).contiguous().cuda().transpose(0, 1)  # strided [H, N, K] view
@@ -574,7 +577,7 @@ def test_cuda_graph_capture_and_replay():
         build_sparse_block_table_decode(topk, table, seq_lens, dql, out=out)
     for _ in range(3):
         new_lens = torch.randint(dql, m * BLOCK + 1, (b,), generator=gen, dtype=torch.int32)
-        pos = (new_lens[:, None] - dql + torch.arange(dql)[None, :]).reshape(-1)
+        pos = decode_rows(new_lens, dql)[1]
         new_topk = _model_like_selection(pos, h, k, gen).to(torch.int32)
         seq_lens.copy_(new_lens)
         topk.copy_(new_topk)

@@ -40,7 +40,8 @@ def test_tour_writes_html_and_figures(tmp_path):
     nb.cells = [
         nbformat.v4.new_markdown_cell("# tiny"),
         nbformat.v4.new_code_cell(
-            "%matplotlib inline\nimport matplotlib.pyplot as plt\nfig, ax = plt.subplots()\nax.plot([0, 1]); print('drawn')"
+            "%matplotlib inline\nimport matplotlib.pyplot as plt\n"
+            "fig, ax = plt.subplots()\nax.plot([0, 1]); print('drawn')"
         ),
     ]
     nbformat.write(nb, nb_dir / "00_tiny.ipynb")

@@ -26,7 +26,9 @@ def _filled(nb, h, d, layout, device, seed=0):
     slots = torch.arange(nb * 128, device=device)
     c8 = mm3lab.allocate_kv_cache(nb, h, d, layout, dtype=FP8_DTYPE, device=device, fill=0.0)
     cb = mm3lab.allocate_kv_cache(nb, h, d, layout, dtype=torch.bfloat16, device=device, fill=0.0)
-    mm3lab.write_kv_page16(k.to(device), v.to(device), c8.k_cache, c8.v_cache, slots, k_scale=c8.k_scale, v_scale=c8.v_scale)
+    mm3lab.write_kv_page16(
+        k.to(device), v.to(device), c8.k_cache, c8.v_cache, slots, k_scale=c8.k_scale, v_scale=c8.v_scale
+    )
     mm3lab.write_kv_page16(k.bfloat16().to(device), v.bfloat16().to(device), cb.k_cache, cb.v_cache, slots)
     return c8, cb
 
@@ -51,7 +53,10 @@ def test_write_matches_reference_bits(device, layout, dtype):
     got = []
     for write in (mm3lab.write_kv_page16, R.write_kv_page16):
         c = mm3lab.allocate_kv_cache(3, 2, 64, layout, dtype=FP8_DTYPE, device=device, fill=0.0)
-        write(key.to(device), value.to(device), c.k_cache, c.v_cache, slots.to(device), k_scale=c.k_scale, v_scale=c.v_scale)
+        write(
+            key.to(device), value.to(device), c.k_cache, c.v_cache, slots.to(device), k_scale=c.k_scale,
+            v_scale=c.v_scale,
+        )
         got.append((c.kv.view(torch.uint8).cpu(), c.scale.cpu()))
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
     c = got[0][1]
@@ -77,7 +82,10 @@ def test_attention_tolerances(device, layout, dtype):
 
 
 @settings(max_examples=15)
-@given(seed=st.integers(0, 2**16), layout=st.sampled_from(LAYOUTS), topk=st.integers(1, 3), group=st.sampled_from([1, 4, 16]))
+@given(
+    seed=st.integers(0, 2**16), layout=st.sampled_from(LAYOUTS), topk=st.integers(1, 3),
+    group=st.sampled_from([1, 4, 16]),
+)
 def test_attention_property(seed, layout, topk, group):
     nb, h, d, n = 4, 2, 32, 2
     c8, _ = _filled(nb, h, d, layout, "cpu", seed=seed % 3)
@@ -109,6 +117,8 @@ def test_errors():
     with pytest.raises(ValueError, match="v_scale"):
         mm3lab.write_kv_page16(key, key, c8.k_cache, c8.v_cache, torch.tensor([0, 1]), k_scale=c8.k_scale)
     with pytest.raises(ValueError, match="slot_mapping"):
-        mm3lab.write_kv_page16(key, key, c8.k_cache, c8.v_cache, torch.tensor([0, 999]), k_scale=c8.k_scale, v_scale=c8.v_scale)
+        mm3lab.write_kv_page16(
+            key, key, c8.k_cache, c8.v_cache, torch.tensor([0, 999]), k_scale=c8.k_scale, v_scale=c8.v_scale
+        )
     assert torch.equal(before, c8.kv.view(torch.uint8))
     assert c32.k_scale is None and c8.k_scale.shape == (16, 16, 1)

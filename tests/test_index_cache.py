@@ -21,33 +21,17 @@ from mm3lab import reference
 from mm3lab.compat import vllm
 from mm3lab.constants import SPARSE_BLOCK_SIZE as BLOCK
 from mm3lab.index_cache import allocate_index_cache, insert_index_cache, token_slots
-from mm3lab.testing import poison
+from mm3lab.testing import assert_paths_agree, assert_same, poison, run_paths
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits (NaN compares equal to itself this way)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def assert_same_bits(actual, expected, name="index_cache"):
-    if not torch.equal(bits(actual).cpu(), bits(expected).cpu()):
-        diff = torch.nonzero(bits(actual).cpu() != bits(expected).cpu())
-        raise AssertionError(f"{name}: {diff.shape[0]} entries differ, first at {tuple(diff[0].tolist())}")
-
-
-def run_both(index_k, cache, slots):
-    """Insert with the public entry (kernel on this backend), the torch backend and the reference
-    into three copies of ``cache``; all must be bit-identical. Returns the kernel's cache."""
-    copies = [cache.clone() for _ in range(3)]
-    insert_index_cache(index_k, copies[0], slots)
-    with mm3lab.use_backend("torch"):
-        insert_index_cache(index_k, copies[1], slots)
-    reference.insert_index_cache(index_k, copies[2], slots)
-    assert_same_bits(copies[0], copies[2])
-    assert_same_bits(copies[1], copies[2])
-    return copies[0]
+def insert_every_path(index_k, cache, slots):
+    """Insert through every path (:func:`mm3lab.testing.run_paths`) into a copy of ``cache`` each;
+    all must be bit-identical. Returns the kernel's cache."""
+    got = run_paths(insert_index_cache, lambda: ((index_k, cache.clone(), slots), {}), result=lambda _, a, kw: a[1])
+    assert_paths_agree(got, "index_cache")
+    return got["kernel"]
 
 
 def random_slots(n, num_blocks, gen, pad_every=0, dtype=torch.int64):
@@ -66,13 +50,13 @@ def test_insert_matches_reference(device, dtype, slot_dtype, n, di):
     cache = poison(allocate_index_cache(num_blocks, di, dtype=dtype, device=device))
     index_k = torch.randn(n, di, generator=gen).to(dtype).to(device)
     slots = random_slots(n, num_blocks, gen, pad_every=5, dtype=slot_dtype).to(device)
-    got = run_both(index_k, cache, slots)
+    got = insert_every_path(index_k, cache, slots)
     # every written slot holds its key; every other slot is still poison
     flat = got.view(-1, di).cpu()
     written = torch.zeros(num_blocks * BLOCK, dtype=torch.bool)
     for row, s in enumerate(slots.tolist()):
         if s >= 0:
-            assert_same_bits(flat[s], index_k[row].cpu(), f"slot {s}")
+            assert_same(flat[s], index_k[row].cpu(), f"slot {s}")
             written[s] = True
     assert torch.isnan(flat[~written].float()).all()
 
@@ -87,8 +71,8 @@ def test_strided_index_k_and_cache(device):
     cache = backing[..., :di]  # block and token strides of a wider buffer, head dim contiguous
     slots = random_slots(50, 4, gen, pad_every=7).to(device)
     for keys in (index_k, transposed):
-        got = run_both(keys, cache, slots)
-        assert_same_bits(got.view(-1, di)[slots[1]], keys[1])
+        got = insert_every_path(keys, cache, slots)
+        assert_same(got.view(-1, di)[slots[1]], keys[1])
 
 
 @settings(max_examples=25)
@@ -106,7 +90,7 @@ def test_insert_sweep(n, di, num_blocks, pad, dtype, seed):
     cache = poison(allocate_index_cache(num_blocks, di, dtype=dtype))
     index_k = torch.randn(n, di, generator=gen).to(dtype)
     slots = random_slots(n, num_blocks, gen, pad_every=pad)
-    run_both(index_k, cache, slots)
+    insert_every_path(index_k, cache, slots)
 
 
 def test_vllm_name(device):
@@ -117,7 +101,7 @@ def test_vllm_name(device):
     expected = cache.clone()
     reference.insert_index_cache(index_k, expected, slots)
     vllm.minimax_m3_insert_index_cache(index_k, cache, slots)
-    assert_same_bits(cache, expected)
+    assert_same(cache, expected)
 
 
 # --- bad input -------------------------------------------------------------------------------
@@ -155,7 +139,7 @@ def test_bad_input_raises_and_leaves_cache_untouched(device, what, k_shape, k_dt
     for entry in (insert_index_cache, reference.insert_index_cache, vllm.minimax_m3_insert_index_cache):
         with pytest.raises(error, match=named):
             entry(index_k, cache, slot_mapping)
-        assert_same_bits(cache, before)
+        assert_same(cache, before)
 
 
 def test_non_contiguous_cache_head_dim_and_device_mix(device):
@@ -175,7 +159,7 @@ def test_slot_past_cache_with_validation_off_is_skipped(device):
     index_k = torch.arange(4 * 16, dtype=torch.float32, device=device).view(4, 16)
     slots = torch.tensor([5, 2 * BLOCK, 10**9, 7], device=device)
     with mm3lab.validation(False):
-        got = run_both(index_k, cache, slots)
+        got = insert_every_path(index_k, cache, slots)
     flat = got.view(-1, 16)
     assert torch.equal(flat[5], index_k[0]) and torch.equal(flat[7], index_k[3])
     assert int(torch.isnan(flat).all(dim=1).sum()) == 2 * BLOCK - 2  # nothing else written, nowhere outside
@@ -185,7 +169,7 @@ def test_empty_insert_is_a_no_op(device):
     cache = poison(allocate_index_cache(1, 8, device=device))
     before = cache.clone()
     insert_index_cache(torch.empty(0, 8, device=device), cache, torch.empty(0, dtype=torch.int64, device=device))
-    assert_same_bits(cache, before)
+    assert_same(cache, before)
 
 
 # --- slots from positions, and a prefill then decode fill -----------------------------------
@@ -242,4 +226,4 @@ def test_large_bf16_insert_on_cuda():
     expected = cache.clone()
     expected.view(-1, 128)[slots[slots >= 0]] = index_k[slots >= 0]
     insert_index_cache(index_k, cache, slots)
-    assert_same_bits(cache, expected)
+    assert_same(cache, expected)

@@ -13,7 +13,6 @@ import torch
 import mm3lab
 from mm3lab import reference
 
-
 # --- SPEC 2: raw scores are clamped to [-1e28, 1e28] before forcing ---------------------------
 
 
@@ -100,7 +99,9 @@ def test_page_ids_past_int32_never_wrap(stride, fused, device):
             _, sbt, ctx = _topk(scores, 3, seq_lens, seq_lens, 1, 1, False, block_table, stride)
         else:
             sbt, ctx = mm3lab.build_sparse_block_table_decode(topk_idx, block_table, seq_lens, 1, stride)
-        ref_bt, ref_ctx = reference.build_sparse_block_table_decode(topk_idx.cpu(), block_table.cpu(), seq_lens.cpu(), 1, stride)
+        ref_bt, ref_ctx = reference.build_sparse_block_table_decode(
+            topk_idx.cpu(), block_table.cpu(), seq_lens.cpu(), 1, stride
+        )
     good = list(range((first_bad - 1) * stride, (first_bad - 1) * stride + 8))
     row = sbt.flatten().tolist()
     assert row[:8] == good and row[8:] == [-1] * 16  # never wrapped to a negative or small page id
@@ -133,7 +134,7 @@ def test_topk_up_to_8192_matches_the_reference(topk, device):
     args = _one_request(device)
     got = mm3lab.index_topk_block_table_decode(*args, topk)
     want = reference.index_topk_block_table_decode(*(a.cpu() for a in args), topk)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert torch.equal(g.cpu(), w)
     assert got[0].shape == (1, 1, topk) and got[0][0, 0, 3:].eq(-1).all()
 

@@ -12,7 +12,7 @@ from mm3lab import reference
 from mm3lab.compat import vllm
 from mm3lab.constants import PAGE16_SIDES_PER_BLOCK, PAGE_SIZE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
 from mm3lab.layout import DENSE_STRIDE, PACKED_STRIDE, kernel, num_cache_blocks
-from mm3lab.testing import assert_equal_int, poison
+from mm3lab.testing import assert_equal_int, assert_paths_agree, poison, run_paths
 
 LAYOUTS = ("dense", "packed")
 STRIDE = {"dense": DENSE_STRIDE, "packed": PACKED_STRIDE}
@@ -224,7 +224,7 @@ def test_rebase_public_equals_reference(values, dtype, two_d):
     assert_equal_int(mm3lab.rebase_block_table_to_page16(t), reference.rebase_block_table_to_page16(t))
     assert_equal_int(mm3lab.rebase_slot_mapping_to_page16(t), reference.rebase_slot_mapping_to_page16(t))
     rebased = mm3lab.rebase_slot_mapping_to_page16(t)
-    for s, r in zip(t.reshape(-1).tolist(), rebased.reshape(-1).tolist()):
+    for s, r in zip(t.reshape(-1).tolist(), rebased.reshape(-1).tolist(), strict=False):
         if s < 0:
             assert r == s
         else:  # same offset, block id doubled: the K half of a 2*128-slot packed block
@@ -272,19 +272,24 @@ def test_rebase_identity_reaches_the_same_memory(num_blocks, device):
 # ----------------------------------------------------------------------------
 
 
-def run_both(layout, nb, h, d, dtype, device, slots, key=None, value=None, seed=0):
-    """Write the same tokens with the public entry point and the reference into two poisoned caches."""
+def write_every_path(layout, nb, h, d, dtype, device, slots, key=None, value=None, seed=0, name="kv"):
+    """Write the same tokens through every path (:func:`mm3lab.testing.run_paths`) into a poisoned
+    cache each; the caches must be bit-identical. Returns ``(key, value, the kernel's cache)``."""
     g = torch.Generator().manual_seed(seed)
     n = slots.shape[0]
     if key is None:
         key = torch.randn(n, h, d, generator=g).to(dtype).to(device)
         value = torch.randn(n, h, d, generator=g).to(dtype).to(device)
-    got = mm3lab.allocate_kv_cache(nb, h, d, layout, dtype=dtype, device=device)
-    want = mm3lab.allocate_kv_cache(nb, h, d, layout, dtype=dtype, device=device)
-    poison(got.kv), poison(want.kv)
-    mm3lab.write_kv_page16(key, value, got.k_cache, got.v_cache, slots)
-    reference.write_kv_page16(key, value, want.k_cache, want.v_cache, slots)
-    return key, value, got, want
+    caches = []
+
+    def inputs():
+        caches.append(mm3lab.allocate_kv_cache(nb, h, d, layout, dtype=dtype, device=device))
+        poison(caches[-1].kv)
+        return (key, value, caches[-1].k_cache, caches[-1].v_cache, slots), {}
+
+    got = run_paths(mm3lab.write_kv_page16, inputs, result=lambda *_: caches[-1])
+    assert_paths_agree({path: cache.kv for path, cache in got.items()}, name)
+    return key, value, got["kernel"]
 
 
 def check_written(key, value, cache, slots):
@@ -320,8 +325,7 @@ def test_write_kv_kernel_equals_reference(layout, h, d, device):
     for dtype in float_dtypes(device):
         for slot_dtype in (torch.int32, torch.int64):
             s = slots.to(slot_dtype).to(device)
-            key, value, got, want = run_both(layout, nb, h, d, dtype, device, s)
-            assert_bits_equal(got.kv, want.kv, f"kv ({layout}, {dtype})")
+            key, value, got = write_every_path(layout, nb, h, d, dtype, device, s, name=f"kv ({layout}, {dtype})")
             if device == "cpu":
                 check_written(key.cpu(), value.cpu(), got, s.cpu())
 
@@ -332,8 +336,7 @@ def test_write_kv_every_offset_of_a_block(layout, device):
     nb, h, d = 3, 1, 8
     offs = torch.arange(SPARSE_BLOCK_SIZE)
     slots = (offs * 5 % nb) * SPARSE_BLOCK_SIZE + offs
-    key, value, got, want = run_both(layout, nb, h, d, torch.float32, device, slots.to(device))
-    assert_bits_equal(got.kv, want.kv, f"kv ({layout})")
+    key, value, got = write_every_path(layout, nb, h, d, torch.float32, device, slots.to(device), name=f"kv ({layout})")
     check_written(key.cpu(), value.cpu(), got, slots)
 
 
@@ -364,8 +367,7 @@ def test_write_kv_strided_inputs(device):
     key, value = big_k[:, :, ::2], big_v[:, ::2]
     slots = torch.tensor([[3, 99], [130, 99], [-1, 99], [255, 99], [16, 99], [0, 99]], device=device)[:, 0]
     for layout in LAYOUTS:
-        _, _, got, want = run_both(layout, nb, h, d, torch.float32, device, slots, key, value)
-        assert_bits_equal(got.kv, want.kv, f"kv ({layout})")
+        _, _, got = write_every_path(layout, nb, h, d, torch.float32, device, slots, key, value, name=f"kv ({layout})")
         check_written(key.cpu(), value.cpu(), got, slots.cpu())
 
 
@@ -391,8 +393,7 @@ def test_write_kv_hypothesis(layout, nb, h, d, dtype, data):
     pads = data.draw(st.lists(st.integers(-2 * SPARSE_BLOCK_SIZE, -1), max_size=3), label="padding")
     order = data.draw(st.permutations(valid + pads), label="order")
     slots = torch.tensor(order, dtype=torch.int64).reshape(-1)
-    key, value, got, want = run_both(layout, nb, h, d, dtype, "cpu", slots, seed=len(order))
-    assert_bits_equal(got.kv, want.kv, "kv")
+    key, value, got = write_every_path(layout, nb, h, d, dtype, "cpu", slots, seed=len(order), name="kv")
     check_written(key, value, got, slots)
 
 

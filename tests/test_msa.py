@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import mm3lab
 from mm3lab import cost, msa, reference
 from mm3lab.constants import DEFAULT_TOPK, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
-from mm3lab.testing import assert_close, assert_equal_int, relative_error
+from mm3lab.testing import assert_close, assert_equal_int, assert_same, relative_error, run_paths
 
 FP32 = dict(atol=2e-5, rtol=2e-5)
 BF16 = dict(atol=2e-2, rtol=2e-2)
@@ -26,7 +26,9 @@ BF16 = dict(atol=2e-2, rtol=2e-2)
 def small_layer(device="cpu", layout="packed", dql=1, pattern="needle", seed=0, **kw):
     shape = dict(batch=2, num_kv_heads=2, group_size=3, head_dim=32, index_dim=16)
     shape.update(kw)
-    return msa.synthetic_layer(600, layout=layout, pattern=pattern, decode_query_len=dql, device=device, seed=seed, **shape)
+    return msa.synthetic_layer(
+        600, layout=layout, pattern=pattern, decode_query_len=dql, device=device, seed=seed, **shape
+    )
 
 
 def dense_masked(layer, topk_idx, req, pos):
@@ -85,6 +87,34 @@ def test_msa_decode_kernels_match_torch_backend():
     assert_close(sa.scores, sb.scores, atol=1e-4, rtol=1e-5, name="scores")
     assert_close(oa, ob, **FP32)
     assert torch.equal(la.cache.kv, lb.cache.kv) and torch.equal(la.index_cache, lb.index_cache)
+
+
+def _layer_results(returned, args, kwargs):
+    out, step = returned
+    ints = (step.query_req_id, step.query_abs_pos, step.slot_mapping, step.topk_idx, step.sparse_bt, step.sparse_ctx)
+    return out, step.lse, step.scores, ints
+
+
+@pytest.mark.parametrize("mode,dql", [("decode", 1), ("decode", 3), ("prefill", 5)])
+def test_msa_reference_twins_agree_with_the_kernel_path(device, mode, dql):
+    """``mm3lab.reference.msa_decode`` / ``msa_prefill`` (the layer from the reference steps) on
+    fresh caches give what the public entry points give on every path."""
+
+    def inputs():
+        layer = small_layer(device, "packed", dql=dql, seed=3)
+        args = dict(layer.inputs(), topk=3, return_intermediates=True)
+        if mode == "prefill":
+            req, pos = msa.decode_query_rows(args.pop("seq_lens"), args.pop("decode_query_len"))
+            args.update(query_req_id=req, query_abs_pos=pos)
+        return (), args
+
+    entry = msa.msa_decode if mode == "decode" else msa.msa_prefill
+    got = run_paths(entry, inputs, result=_layer_results)
+    for path in ("kernel", "torch"):
+        out, lse, scores, ints = got[path]
+        want_out, want_lse, want_scores, want_ints = got["reference"]
+        assert_same(ints, want_ints, f"{mode} row, slot and selection integers: {path} vs reference")
+        assert_same((out, lse, scores), (want_out, want_lse, want_scores), f"{mode} floats: {path}", **FP32)
 
 
 def test_msa_prefill_rows_in_any_order_match_decode_rows(device):
@@ -281,7 +311,7 @@ def test_attention_cost_model_numbers():
     assert c.sparse_total_bytes == c.sparse_kv_bytes + c.indexer_bytes + c.table_bytes
     curve = cost.cost_curve()
     assert curve[-1].context_len == 1 << 20 and curve[0].context_len == 1024
-    assert all(a.dense_kv_bytes < b.dense_kv_bytes for a, b in zip(curve, curve[1:]))
+    assert all(a.dense_kv_bytes < b.dense_kv_bytes for a, b in zip(curve, curve[1:], strict=False))
     assert {c.sparse_tokens for c in curve if c.context_len >= 2048} == {2048}
     assert math.isclose(cost.read_time_us(4.8e6, 4.8), 1.0)
     text = cost.cost_table([1024, 1 << 20])

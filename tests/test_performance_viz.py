@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 
@@ -25,9 +26,13 @@ RESULTS = {
     "meta": {"gpu": "GPU", "torch": "t", "triton": "tr", "copy_TBps": 4.0},
     "records": [
         _record("copy_bandwidth", {"bytes": 1}, 1.0, tbps=4.0),
-        _record("attention_decode", {"batch": 1, "context": 131072, "layout": "dense"}, 0.01, "naive_gather_sdpa", 0.1, 1.0),
+        _record(
+            "attention_decode", {"batch": 1, "context": 131072, "layout": "dense"}, 0.01, "naive_gather_sdpa", 0.1, 1.0
+        ),
         _record("attention_decode", {"batch": 1, "context": 131072, "layout": "dense"}, 0.01, "dense_sdpa", 0.5, 1.0),
-        _record("attention_decode", {"batch": 64, "context": 131072, "layout": "dense"}, 0.1, "naive_gather_sdpa", 1.5, 3.0),
+        _record(
+            "attention_decode", {"batch": 64, "context": 131072, "layout": "dense"}, 0.1, "naive_gather_sdpa", 1.5, 3.0
+        ),
         _record("attention_decode", {"batch": 64, "context": 131072, "layout": "dense"}, 0.1, "dense_sdpa", 3.6, 3.0),
         _record("block_table_decode", {"rows": 256}, 0.005, "torch_ops", 0.5, 0.1),
     ],
@@ -89,6 +94,24 @@ def test_limits_are_computed_from_the_records():
     assert "means 80 us, 94% of copy bandwidth on the selected bytes; the kernel reads them at 75% (100 us)" in (
         "\n".join(performance.limits(results)))
     assert performance.limits({"meta": RESULTS["meta"], "records": []}) == []
+
+
+def test_results_path_argument_env_and_checkout(tmp_path, monkeypatch):
+    folder = tmp_path / "benchmarks" / "results"
+    folder.mkdir(parents=True)
+    (folder / "gpu.json").write_text(json.dumps(RESULTS))
+    assert performance.results_path(folder) == folder / "gpu.json"
+    monkeypatch.setenv(performance.RESULTS_ENV, str(folder / "gpu.json"))
+    assert performance.results_path() == folder / "gpu.json"
+    monkeypatch.delenv(performance.RESULTS_ENV)
+    inner = tmp_path / "notebooks"
+    inner.mkdir()
+    monkeypatch.chdir(inner)  # a checkout's notebooks/ folder: the results are found above it
+    assert performance.load_results()["meta"]["copy_TBps"] == 4.0
+    monkeypatch.chdir(folder)
+    (folder / "gpu.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no benchmark results"):
+        performance.load_results()
 
 
 # --- records with a mode (the benchmarks' record schema) ----------------------------------------
@@ -194,7 +217,10 @@ def test_goals_from_the_results_file_itself():
 
 def test_host_overhead_and_speedup_and_grid():
     rows = performance.host_device_rows(SCHEMA)
-    step = [r for r in rows if r["name"] == "msa_decode" and r["shape"]["context"] == 131072 and r["shape"]["batch"] == 16]
+    step = [
+        r for r in rows
+        if r["name"] == "msa_decode" and r["shape"]["context"] == 131072 and r["shape"]["batch"] == 16
+    ]
     assert step and abs(step[0]["host_ms"] - 0.380) < 1e-9  # validation off preferred: 700 - 320
     assert performance.plot_host_device(SCHEMA) is not None
     series = performance.speedup_series(SCHEMA)

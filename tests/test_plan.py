@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import mm3lab
-from mm3lab._rows import rows_and_slots
 from mm3lab.index_cache import token_slots
 from mm3lab.msa import decode_query_rows, synthetic_layer
+from mm3lab.rows import rows_and_slots
 
 DT = torch.float32  # the interpreter's bf16 arithmetic is inexact; fp32 runs the kernels everywhere
 

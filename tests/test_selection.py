@@ -134,7 +134,7 @@ def test_mass_curve(sequences, selections):
     curves = {p: analysis.mass_curve(s, (1, 2, 4), selection=selections[p]) for p, s in sequences.items()}
     for c in curves.values():
         assert c.topks == (1, 2, 4)
-        assert all(a <= b + 1e-6 for a, b in zip(c.indexer, c.oracle))
+        assert all(a <= b + 1e-6 for a, b in zip(c.indexer, c.oracle, strict=False))
         assert list(c.indexer) == sorted(c.indexer) and 0 < c.indexer[0] <= 1
     assert curves["needle"].indexer[1] > curves["random"].indexer[1] + 0.1
     assert analysis.mass_curve(sequences["sink"], (2,), positions=selections["sink"].positions).indexer[0] == \

@@ -37,7 +37,9 @@ from . import reference
 from .checks import check_sparse_attention
 from .reference import dense_masked_attention
 
-__all__ = ["ALGORITHMS", "TILED_MIN_ROWS", "TILED_MIN_SHARE", "choose_algorithm", "dense_masked_attention", "sparse_attention"]
+__all__ = [
+    "ALGORITHMS", "TILED_MIN_ROWS", "TILED_MIN_SHARE", "choose_algorithm", "dense_masked_attention", "sparse_attention",
+]
 
 ALGORITHMS = ("rows", "tiled")
 TILED_MIN_ROWS = 1024
@@ -54,7 +56,8 @@ def choose_algorithm(n_rows: int, algorithm: str | None = None, share=None) -> s
     """
     if algorithm is not None:
         if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm: expected None or one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}")
+            names = ", ".join(map(repr, ALGORITHMS))
+            raise ValueError(f"algorithm: expected None or one of {names}, got {algorithm!r}")
         return algorithm
     if n_rows < TILED_MIN_ROWS:
         return "rows"
@@ -101,9 +104,10 @@ def sparse_attention(
         return_lse: also return the natural-log log-sum-exp of the scaled scores.
         out: optional ``[N, Hq, D]`` contiguous buffer in q's dtype.
         algorithm: ``None`` (the rule in the module docstring: per-row below
-            :data:`TILED_MIN_ROWS` rows, tiled above it when neighbouring rows share their blocks), ``"rows"`` (one program per row and KV head) or ``"tiled"`` (one
-            program per tile of consecutive rows and KV head, each union page read once per
-            tile). All give the same result to floating-point tolerance.
+            :data:`TILED_MIN_ROWS` rows, tiled above it when neighbouring rows share their blocks),
+            ``"rows"`` (one program per row and KV head) or ``"tiled"`` (one program per tile of
+            consecutive rows and KV head, each union page read once per tile). All give the same
+            result to floating-point tolerance.
         k_scale, v_scale: FP8 caches only (``PagedKVCache.k_scale`` / ``.v_scale``, ``[pages, 16, Hkv]``
             float32). The kernel reads the FP8 K/V and dequantizes them in registers: the K
             scale multiplies each score column (float32), each V row is scaled in float32 and
@@ -116,8 +120,8 @@ def sparse_attention(
     _, scale = check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, k_scale, v_scale)
     if algorithm is not None:
         choose_algorithm(q.shape[0], algorithm)  # a bad name raises on every path
-    interpreted_bf16 = backend.INTERPRETER and q.dtype == torch.bfloat16
-    if not backend.use_kernel(q, k_cache, sparse_bt) or interpreted_bf16:
+    fallback = backend.bf16_interpreted(q.dtype)
+    if not backend.use_kernel(q, k_cache, sparse_bt, entry_point="sparse_attention", fallback=fallback):
         return reference.sparse_attention(
             q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=return_lse, out=out,
             k_scale=k_scale, v_scale=v_scale,

@@ -221,7 +221,7 @@ def _merge_splits(
         tl.store(lse_ptr + n * stride_ln + hq * stride_lh, lse)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

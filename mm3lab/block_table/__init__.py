@@ -6,11 +6,9 @@ last**, plus ``sparse_ctx``, the number of tokens the row attends. Full blocks
 contribute 8 whole pages each, so the only partial page is the last one, and
 the attention kernel's ordinary context-length mask *is* the causal mask.
 
-Decode rows take their position from ``seq_lens`` (with ``decode_query_len > 1``
-a request's query tokens are the last positions of its sequence: row
-``n = r * dql + i`` is at ``p = seq_lens[r] - dql + i``); prefill rows carry a
-request id and an absolute position each. A negative position is a padded row:
-all zeros, ``ctx = 0``.
+Decode rows take their position from ``seq_lens``, prefill rows carry a request id and
+an absolute position each (the SPEC 2 row rule, :mod:`mm3lab.rows`). A padded row is all
+zeros, ``ctx = 0``.
 
 mm3lab's definitions where upstream is undefined: a block named twice is
 attended once (first occurrence kept, every entry past the used pages 0), and a
@@ -75,8 +73,17 @@ the PyTorch path; the model's top-k is 16.
 """
 
 
-def _kernel_fits(topk_idx) -> bool:
-    return topk_idx.shape[-1] <= MAX_KERNEL_TOPK
+def _build(entry: str, topk_idx, block_table, rows: tuple, block_page_stride: int, out):
+    """After the checks: ``entry``'s kernel (``<entry>_kernel``), or its reference where SPEC 7 says so."""
+    fallback = None if topk_idx.shape[-1] <= MAX_KERNEL_TOPK else "topk-over-512"
+    tensors = [t for t in rows if isinstance(t, torch.Tensor)]
+    if not backend.use_kernel(topk_idx, block_table, *tensors, entry_point=entry, fallback=fallback):
+        return getattr(reference, entry)(topk_idx, block_table, *rows, block_page_stride, out=out)
+    from . import kernel
+
+    sparse_bt, sparse_ctx = _outputs(topk_idx, out)
+    getattr(kernel, entry + "_kernel")(topk_idx, block_table, *rows, block_page_stride, sparse_bt, sparse_ctx)
+    return sparse_bt, sparse_ctx
 
 
 def build_sparse_block_table_decode(
@@ -90,8 +97,7 @@ def build_sparse_block_table_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse block table of decode (and speculative-decode) rows, one kernel launch.
 
-    Row ``n = r * decode_query_len + i`` is query ``i`` of request ``r``, at position
-    ``p = seq_lens[r] - decode_query_len + i`` (negative = padded row).
+    Rows: SPEC 2's decode row rule (:mod:`mm3lab.rows`).
 
     Args:
         topk_idx: ``[H, N, K]`` int32/int64 selected logical blocks (``-1`` = padding),
@@ -115,17 +121,8 @@ def build_sparse_block_table_decode(
             the request).
     """
     check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out)
-    if not _kernel_fits(topk_idx) or not backend.use_kernel(topk_idx, block_table, seq_lens):
-        return reference.build_sparse_block_table_decode(
-            topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out=out
-        )
-    from .kernel import build_sparse_block_table_decode_kernel
-
-    sparse_bt, sparse_ctx = _outputs(topk_idx, out)
-    build_sparse_block_table_decode_kernel(
-        topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, sparse_bt, sparse_ctx
-    )
-    return sparse_bt, sparse_ctx
+    return _build("build_sparse_block_table_decode", topk_idx, block_table, (seq_lens, decode_query_len),
+                  block_page_stride, out)
 
 
 def build_sparse_block_table_prefill(
@@ -156,14 +153,5 @@ def build_sparse_block_table_prefill(
         a block past the table as not selected.
     """
     check_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride, out)
-    if not _kernel_fits(topk_idx) or not backend.use_kernel(topk_idx, block_table, query_req_id, query_abs_pos):
-        return reference.build_sparse_block_table_prefill(
-            topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride, out=out
-        )
-    from .kernel import build_sparse_block_table_prefill_kernel
-
-    sparse_bt, sparse_ctx = _outputs(topk_idx, out)
-    build_sparse_block_table_prefill_kernel(
-        topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride, sparse_bt, sparse_ctx
-    )
-    return sparse_bt, sparse_ctx
+    return _build("build_sparse_block_table_prefill", topk_idx, block_table, (query_req_id, query_abs_pos),
+                  block_page_stride, out)

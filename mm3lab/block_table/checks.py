@@ -13,13 +13,18 @@ import torch
 
 from .._checks import (
     BLOCK_PAGE_STRIDES,  # noqa: F401  (re-exported)
+    blocks_used_decode,
+    blocks_used_prefill,
+    check_decode_rows,
     check_index,
     check_out,
     check_same_device,
+    prefill_row_checks,
+    seq_lens_check,
+    table_entry_check,
     validation_enabled,
 )
 from .._checks import check_block_page_stride as _check_stride
-from .._checks import check_int as _check_int
 from .._checks import raise_first as _raise_first
 from .._checks import value_checks as _value_checks
 from .._valcheck import Segment
@@ -67,48 +72,23 @@ def _topk_past_table(topk_idx: torch.Tensor, width: int):
 
 def _page_overflow(block_table, blocks_used, block_page_stride: int):
     """A table entry that a row reads whose page ids ``id * stride + j`` do not fit int32."""
-    b, m = block_table.shape
-    used = torch.arange(m, device=block_table.device).view(1, m) < blocks_used.view(b, 1)
     top = (2**31 - PAGES_PER_SPARSE_BLOCK) // block_page_stride
     bottom = -(2**31) // block_page_stride
-    mask = used & ((block_table > top) | (block_table < bottom))
-
-    def message(r: int) -> str:
-        col = int(torch.nonzero(mask[r])[0, 0])
-        return (
-            f"block_table: request {r}, logical block {col} is physical block {int(block_table[r, col])}, whose page "
-            f"ids (x {block_page_stride}) do not fit int32: physical ids must lie in [{bottom}, {top}]"
-        )
-
-    return mask, message
-
-
-def _blocks_used_decode(seq_lens, m: int):
-    lens = seq_lens.to(torch.int64).clamp(0, m * SPARSE_BLOCK_SIZE)
-    return torch.div(lens + SPARSE_BLOCK_SIZE - 1, SPARSE_BLOCK_SIZE, rounding_mode="floor")
-
-
-def _blocks_used_prefill(req, pos, b: int, m: int):
-    live = (pos >= 0) & (req >= 0) & (req < b) & (pos < m * SPARSE_BLOCK_SIZE)
-    needed = torch.where(live, torch.div(pos, SPARSE_BLOCK_SIZE, rounding_mode="floor") + 1, 0)
-    used = torch.zeros(b, dtype=torch.int64, device=pos.device)
-    if b:
-        used.scatter_reduce_(0, torch.where(live, req, 0), needed, reduce="amax")
-    return used
+    return table_entry_check(
+        block_table, blocks_used, (block_table > top) | (block_table < bottom),
+        lambda phys: (
+            f"is physical block {phys}, whose page ids (x {block_page_stride}) do not fit int32: "
+            f"physical ids must lie in [{bottom}, {top}]"
+        ),
+    )
 
 
 def check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out) -> None:
     """Validate ``build_sparse_block_table_decode``'s arguments (see its docstring)."""
     _h, n, k = _check_common(topk_idx, block_table, block_page_stride, out)
     b, m = block_table.shape
-    check_index("seq_lens", seq_lens, shape=(b,))
-    dql = _check_int("decode_query_len", decode_query_len, minimum=1)
+    check_decode_rows("topk_idx", n, seq_lens, decode_query_len, b)
     check_same_device(topk_idx=topk_idx, block_table=block_table, seq_lens=seq_lens)
-    if n != b * dql:
-        raise ValueError(
-            f"topk_idx: expected batch * decode_query_len = {b} * {dql} = {b * dql} rows "
-            f"(block_table has {b} requests), got {n}"
-        )
     if not validation_enabled() or n == 0:
         return
     capacity = m * SPARSE_BLOCK_SIZE
@@ -121,20 +101,11 @@ def check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_s
     ]
 
     def detail() -> None:
-        seq_lens_long = seq_lens.to(torch.int64)
-        checks = [
-            (
-                seq_lens_long > capacity,
-                lambda r: (
-                    f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
-                    f"{m} blocks = {capacity} tokens"
-                ),
-            )
-        ]
+        checks = [seq_lens_check(seq_lens, m)]
         if k:
             checks.append(_topk_past_table(topk_idx, m))
         if m:
-            checks.append(_page_overflow(block_table, _blocks_used_decode(seq_lens, m), block_page_stride))
+            checks.append(_page_overflow(block_table, blocks_used_decode(seq_lens, m), block_page_stride))
         _raise_first(checks)
 
     _value_checks(segments, detail)
@@ -165,27 +136,11 @@ def check_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page
     def detail() -> None:
         pos = query_abs_pos.to(torch.int64)
         req = query_req_id.to(torch.int64)
-        live = pos >= 0  # padded rows (negative position) may carry any request id
-        checks = [
-            (
-                live & ((req < 0) | (req >= b)),
-                lambda r: (
-                    f"query_req_id: row {r} has request id {int(query_req_id[r])}, outside the block table's "
-                    f"{b} requests [0, {b})"
-                ),
-            ),
-            (
-                pos >= capacity,
-                lambda r: (
-                    f"query_abs_pos: row {r} has position {int(query_abs_pos[r])}, but a block_table row holds "
-                    f"{m} blocks = {capacity} tokens"
-                ),
-            ),
-        ]
+        checks = prefill_row_checks(query_req_id, query_abs_pos, b, m)
         if k:
             checks.append(_topk_past_table(topk_idx, m))
         if m:
-            checks.append(_page_overflow(block_table, _blocks_used_prefill(req, pos, b, m), block_page_stride))
+            checks.append(_page_overflow(block_table, blocks_used_prefill(req, pos, b, m), block_page_stride))
         _raise_first(checks)
 
     _value_checks(segments, detail)

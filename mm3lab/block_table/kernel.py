@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..constants import PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
-
+from ..rows import row_request_position
 
 # Triton's own sum combiner, which the interpreter reduces with numpy (tl.sum, a device
 # function itself, costs the interpreter far more per call); a plain one where it is absent.
@@ -114,16 +114,7 @@ def _build_sparse_block_table(
 ):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    if PREFILL:
-        req = tl.load(req_ptr + n * stride_r).to(tl.int64)
-        p = tl.load(pos_ptr + n * stride_p).to(tl.int64)
-    else:
-        # Row n = r * dql + i is query i of request r, at p = seq_lens[r] - dql + i.
-        req = n // DQL
-        p = tl.load(req_ptr + req * stride_r).to(tl.int64) - DQL + n % DQL
-    in_range = (req >= 0) & (req < B)
-    p = tl.where(in_range, p, -1)  # a request id out of range: a padded row, its table never read
-    req = tl.where(in_range, req, 0)
+    req, p = row_request_position(n, n < N, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, PREFILL)
     slots = tl.arange(0, K_BLOCK)
     blk = tl.load(topk_ptr + h * stride_th + n * stride_tn + slots * stride_tk, mask=slots < K, other=-1)
     row = h * N + n

@@ -17,8 +17,8 @@ attended once (first occurrence kept), and a block id at or past the block
 table's width is never read (it counts as not selected).
 
 The two entry points loop over rows and call it: decode rows get their position
-from ``seq_lens`` (``p = seq_lens[r] - dql + i`` for row ``n = r * dql + i``),
-prefill rows carry theirs. They have the same signatures as the kernel entry
+from ``seq_lens`` (the SPEC 2 row rule, :mod:`mm3lab.rows`), prefill rows carry theirs.
+They have the same signatures as the kernel entry
 points in :mod:`mm3lab.block_table` and are the specification those are tested against.
 
 Small helpers the notebooks, the ``mm3lab explain`` command and other modules use:
@@ -32,12 +32,13 @@ Small helpers the notebooks, the ``mm3lab explain`` command and other modules us
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from ..constants import PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
+from ..rows import decode_rows
 from .checks import check_decode, check_prefill
 
 PADDING = "padding"
@@ -176,7 +177,7 @@ def decode_positions(seq_len: int, decode_query_len: int = 1) -> list[int]:
 
     Row ``i`` has ``p = seq_len - decode_query_len + i``; a negative ``p`` is a padded row.
     """
-    return [int(seq_len) - int(decode_query_len) + i for i in range(int(decode_query_len))]
+    return decode_rows(torch.tensor([int(seq_len)]), int(decode_query_len))[1].tolist()
 
 
 def _fill(topk_idx, block_table, rows, block_page_stride, out):
@@ -215,7 +216,7 @@ def build_sparse_block_table_decode(
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse block table of decode rows; row ``n = r * dql + i`` has ``p = seq_lens[r] - dql + i``.
+    """Sparse block table of decode rows (rows: SPEC 2, :func:`mm3lab.rows.decode_rows`).
 
     Args:
         topk_idx: ``[H, N, K]`` int32/int64 selected logical blocks, ``N = B * decode_query_len``.
@@ -228,9 +229,8 @@ def build_sparse_block_table_decode(
         ``sparse_bt [H, N, K * 8]`` int32, ``sparse_ctx [H, N]`` int32.
     """
     check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out)
-    rows = []
-    for r, seq_len in enumerate(seq_lens.tolist()):
-        rows.extend((r, p) for p in decode_positions(seq_len, decode_query_len))
+    req, pos = decode_rows(seq_lens, decode_query_len)
+    rows = list(zip(req.tolist(), pos.tolist(), strict=True))
     return _fill(topk_idx, block_table, rows, block_page_stride, out)
 
 
@@ -256,7 +256,7 @@ def build_sparse_block_table_prefill(
         ``sparse_bt [H, N, K * 8]`` int32, ``sparse_ctx [H, N]`` int32.
     """
     check_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride, out)
-    rows = list(zip(query_req_id.tolist(), query_abs_pos.tolist()))
+    rows = list(zip(query_req_id.tolist(), query_abs_pos.tolist(), strict=False))
     return _fill(topk_idx, block_table, rows, block_page_stride, out)
 
 

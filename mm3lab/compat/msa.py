@@ -39,6 +39,7 @@ import torch
 
 from .._checks import check_index, check_int, check_same_device
 from ..constants import SPARSE_BLOCK_SIZE
+from ..rows import decode_rows
 
 MSA_MAX_TOPK = 16
 """The official kernels' largest ``topk`` (``_MAX_TOPK``)."""
@@ -59,9 +60,7 @@ __all__ = [
 def decode_positions(seq_lens: torch.Tensor, q_len: int) -> torch.Tensor:
     """``p`` of every decode row ``n = r * q_len + i``: ``seq_lens[r] - q_len + i``, int64 ``[B * q_len]``."""
     check_index("seq_lens", seq_lens, ndim=1)
-    check_int("q_len", q_len, minimum=1)
-    i = torch.arange(q_len, device=seq_lens.device)
-    return (seq_lens.to(torch.int64)[:, None] - q_len + i[None, :]).reshape(-1)
+    return decode_rows(seq_lens, check_int("q_len", q_len, minimum=1))[1]
 
 
 def _local_last(sel: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

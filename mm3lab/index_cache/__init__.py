@@ -20,6 +20,7 @@ from .. import backend
 from .._checks import FLOAT_DTYPES, check_device, check_int
 from ..constants import SPARSE_BLOCK_SIZE
 from ..fp8 import FP8_DTYPE
+from ..rows import row_slots
 from . import reference
 from .checks import check_index_cache, check_insert_index_cache, check_token_slots, index_cache_slots
 
@@ -99,7 +100,7 @@ def insert_index_cache(
     check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale)
     if index_k.shape[0] == 0:
         return
-    if not backend.use_kernel(index_k, index_cache, slot_mapping):
+    if not backend.use_kernel(index_k, index_cache, slot_mapping, entry_point="insert_index_cache"):
         reference.insert_index_cache(index_k, index_cache, slot_mapping, index_scale=index_scale)
         return
     from .kernel import insert_index_cache_kernel
@@ -126,13 +127,4 @@ def token_slots(block_table: torch.Tensor, query_req_id: torch.Tensor, query_abs
         validation off, such a token gets slot ``-1``: it is not written).
     """
     check_token_slots(block_table, query_req_id, query_abs_pos)
-    pos = query_abs_pos.to(torch.int64)
-    req = query_req_id.to(torch.int64)
-    b, m = block_table.shape
-    if pos.numel() == 0 or block_table.numel() == 0:  # every token is padding (checked)
-        return torch.full_like(pos, -1)
-    logical = pos // SPARSE_BLOCK_SIZE
-    live = (pos >= 0) & (req >= 0) & (req < b) & (logical < m)
-    physical = block_table.to(torch.int64)[torch.where(live, req, 0), torch.where(live, logical, 0)]
-    live = live & (physical < 2**63 // SPARSE_BLOCK_SIZE)  # a slot past int64 is past every cache: never wrapped
-    return torch.where(live, physical * SPARSE_BLOCK_SIZE + pos % SPARSE_BLOCK_SIZE, -1)
+    return row_slots(block_table, query_req_id, query_abs_pos)

@@ -70,7 +70,8 @@ def insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale=No
         index_cache, index_cache.stride(0), index_cache.stride(1),
         slot_mapping, slot_mapping.stride(0),
         n, di, index_cache.shape[0] * SPARSE_BLOCK_SIZE,
-        index_scale if quant else slot_mapping, index_scale.stride(0) if quant else 0, QUANT=quant, INTERPRETED=backend.INTERPRETER,
+        index_scale if quant else slot_mapping, index_scale.stride(0) if quant else 0,
+        QUANT=quant, INTERPRETED=backend.INTERPRETER,
         BLOCK_N=block_n, BLOCK_D=block_d, SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
         num_warps=4,
     )

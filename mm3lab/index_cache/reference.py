@@ -63,7 +63,7 @@ def token_slots(block_table: torch.Tensor, query_req_id: torch.Tensor, query_abs
     table = block_table.tolist()
     b, m = block_table.shape
     slots = []
-    for r, p in zip(query_req_id.tolist(), query_abs_pos.tolist()):
+    for r, p in zip(query_req_id.tolist(), query_abs_pos.tolist(), strict=True):
         # with validation off, a request or block outside the table is padding (never a wrap to row -1)
         if p < 0 or not 0 <= r < b or p // SPARSE_BLOCK_SIZE >= m:
             slots.append(-1)

@@ -1,51 +1,35 @@
-"""The indexer (SPEC section 2, steps 2-3): which 128-token blocks each query token attends.
+"""The indexer (SPEC 2, steps 2-3): which 128-token blocks each query token attends.
 
-For every query row (request ``r``, position ``p``) and index head ``h`` (one per
-KV head), each candidate block ``b <= p // 128`` gets the score::
-
-    score[h, t, b] = max over tokens s of block b with s <= p of dot(index_q[t, h], index_k[s])
-
-(float32; the index keys come from the index cache through the request's block
-table; every head shares one key per token). Forcing then gives ``b < init_blocks``
-the score ``1e30`` and, last, ``b >= valid - local_blocks`` the score ``1e29``
-(``valid = p // 128 + 1``), NaN counts as ``-1e30``, and the top-k keeps the
-``topk`` best candidates, ties to the lower block id, ``-1`` past
-``min(topk, valid)``; a padded row (``p < 0``) is all ``-1``.
-
-Entry points (decode rows take ``p = seq_lens[r] - dql + i`` for row
-``n = r * dql + i``; prefill rows carry ``query_req_id`` / ``query_abs_pos``):
+The scores, the init/local forcing, the top-k order and the row rule are SPEC 2's
+(rows: :mod:`mm3lab.rows`); ``reference.py`` writes them as loops, ``kernel.py``
+as Triton kernels. Entry points:
 
 * :func:`index_topk_decode` / :func:`index_topk_prefill` -> ``topk_idx [H, N, topk]`` int32,
   what :func:`mm3lab.build_sparse_block_table_decode` / ``_prefill`` consume;
 * :func:`index_scores_decode` / :func:`index_scores_prefill` -> the scores ``[H, N, M]``,
   raw (``forced=False``, for heatmaps) or as top-k ranks them (``forced=True``);
 * :func:`index_topk_block_table_decode` / :func:`index_topk_block_table_prefill`: the
-  top-k fused with the sparse block table, one launch from scores to
+  top-k fused with the sparse block table (SPEC 3), one launch from scores to
   ``(topk_idx, sparse_bt, sparse_ctx)``, equal to running the two steps apart;
 * :func:`topk_blocks`: the top-k rule alone, on any ``[..., W]`` score tensor.
 
-``reference.py`` is the specification (loops); ``kernel.py`` the Triton kernels.
-Every call is two launches at most (scores, then top-k with or without the
-table). float32/float16 run the kernels on every backend; bfloat16 runs them
-where compiled (CUDA) and the PyTorch reference on the interpreter backend,
-whose bfloat16 arithmetic is inexact. float32 with more than 16 index heads also
-takes the PyTorch path on a GPU (the exact float32 dot is kept to 16-lane tiles).
-**FP8 keys** (SPEC section 9): an index cache of ``float8_e4m3fn`` keys takes its
-per-token float32 scales as ``index_scale=`` (:func:`mm3lab.allocate_index_scale`)
-on every entry point; ``index_q`` stays float32/float16/bfloat16. The kernel
-rounds each (row, head) query to a two-term FP8 pair, scores with FP8 ``tl.dot``,
-and multiplies every dot by its token's scale before the block max; the reference
-dequantizes the keys and applies the rule above. Scores agree within
-:data:`mm3lab.fp8.INDEX_SCORE_FP8_RTOL`, selected ids except at near ties.
-Value checks (validation on, the default) cost one device sync; see
-:mod:`mm3lab.indexer.checks` for what they reject and the fallback with validation off.
+Every call is two launches at most (scores, then top-k with or without the table).
+The top-k pre-selects groups of columns by their maxima on wide rows, then picks with
+``tl.topk`` when compiled (see :mod:`mm3lab.indexer.kernel`). The PyTorch paths (SPEC 7,
+:data:`mm3lab.backend.FALLBACK_RULES`): bfloat16 under the interpreter, and float32 with
+more than 16 index heads on a GPU. **FP8 keys** (SPEC 9): an index cache of
+``float8_e4m3fn`` keys takes its per-token float32 scales as ``index_scale=``
+(:func:`mm3lab.allocate_index_scale`) on every entry point; ``index_q`` stays
+float32/float16/bfloat16. The kernel rounds each (row, head) query to a two-term FP8
+pair, scores with FP8 ``tl.dot`` and multiplies every dot by its token's scale before
+the block max; the reference dequantizes the keys. Scores agree within
+:data:`mm3lab.fp8.INDEX_SCORE_FP8_RTOL`, selected ids except at near ties. Value checks
+(one device sync with validation on): :mod:`mm3lab.indexer.checks`.
 """
 
 from __future__ import annotations
 
 import torch
-
-import logging
 
 from .. import backend
 from ..block_table import MAX_KERNEL_TOPK
@@ -69,26 +53,20 @@ __all__ = [
 ]
 
 
-_logged: set[str] = set()
+def _use_kernel(entry_point: str, index_q, index_cache, *tensors) -> bool:
+    fallback = None
+    if index_cache.dtype != FP8_DTYPE:  # FP8 keys: the kernel rounds index_q to FP8 itself, from any float dtype
+        fallback = backend.bf16_interpreted(index_q.dtype)
+        # float32 tiles are kept at 16 lanes (see kernel.index_scores_kernel); more than 16 index
+        # heads would need wider ones, so such float32 calls take the PyTorch path on a GPU.
+        if index_q.dtype == torch.float32 and index_q.shape[1] > 16 and not backend.INTERPRETER:
+            fallback = "fp32-wide-index-heads"
+    return backend.use_kernel(index_q, index_cache, *tensors, entry_point=entry_point, fallback=fallback)
 
 
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        logging.getLogger("mm3lab").info(message)
-
-
-def _use_kernel(index_q, index_cache, *tensors) -> bool:
-    if index_cache.dtype == FP8_DTYPE:  # FP8 keys: the kernel rounds index_q to FP8 itself, from any float dtype
-        return backend.use_kernel(index_q, index_cache, *tensors)
-    interpreted_bf16 = backend.INTERPRETER and index_q.dtype == torch.bfloat16
-    # float32 tiles are kept at 16 lanes (see kernel.index_scores_kernel); more than 16 index
-    # heads would need wider ones, so such float32 calls take the PyTorch path on a GPU.
-    wide_fp32 = index_q.dtype == torch.float32 and index_q.shape[1] > 16 and not backend.INTERPRETER
-    return backend.use_kernel(index_q, index_cache, *tensors) and not interpreted_bf16 and not wide_fp32
-
-
-def _scores(index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced, *, index_scale):
+def _scores(
+    index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced, *, index_scale
+):
     from .kernel import index_scores_kernel
 
     n, h, _ = index_q.shape
@@ -109,11 +87,8 @@ def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_p
     topk_idx = torch.empty(h, n, topk, dtype=torch.int32, device=scores.device)
     tables = {}
     if block_table is not None and topk > MAX_KERNEL_TOPK:
-        # the fused kernel compacts a row in registers (K x K): wider selections take two steps
-        _log_once(
-            f"topk {topk} > {MAX_KERNEL_TOPK}: top-k kernel, then the sparse block table on its own "
-            "(PyTorch reference path), instead of the fused kernel"
-        )
+        # the fused kernel compacts a row in registers (K x K): wider selections take two steps,
+        # the second on the PyTorch path (recorded by the caller and by the block table entry point)
         topk_idx = _topk(scores, topk, req, pos, batch, dql, prefill)
         from ..block_table import build_sparse_block_table_decode, build_sparse_block_table_prefill
 
@@ -132,6 +107,31 @@ def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_p
     return topk_idx, tables["sparse_bt"], tables["sparse_ctx"]
 
 
+def _select(entry, index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks, *table, index_scale):
+    """The top-k entry points after their checks: scores + top-k kernels, or the reference (SPEC 7).
+
+    ``rows``: ``("decode", seq_lens, decode_query_len)`` or ``("prefill", query_req_id, query_abs_pos)``;
+    ``table``: ``()``, or ``(block_page_stride,)`` for the fused sparse block table.
+    """
+    kind, first, second = rows
+    decode = kind == "decode"
+    row_args, extra = ((first,), (second,)) if decode else ((first, second), ())
+    if not _use_kernel(entry, index_q, index_cache, block_table, *row_args):
+        return getattr(reference, entry)(
+            index_q, index_cache, block_table, *row_args, topk, *extra, init_blocks, local_blocks, *table,
+            index_scale=index_scale,
+        )
+    if table and topk > MAX_KERNEL_TOPK:
+        backend.fallback_taken(entry, "topk-over-512")
+    req, pos, dql = (first, first, second) if decode else (first, second, 1)
+    scores = _scores(
+        index_q, index_cache, block_table, req, pos, dql, not decode, init_blocks, local_blocks, True,
+        index_scale=index_scale,
+    )
+    tables = (block_table, *table) if table else ()
+    return _topk(scores, topk, req, pos, block_table.shape[0], dql, not decode, *tables)
+
+
 def index_scores_decode(
     index_q: torch.Tensor,
     index_cache: torch.Tensor,
@@ -146,7 +146,7 @@ def index_scores_decode(
 ) -> torch.Tensor:
     """Block scores of decode rows (SPEC section 2, step 2), one launch.
 
-    Row ``n = r * decode_query_len + i`` is at ``p = seq_lens[r] - decode_query_len + i``.
+    Rows: SPEC 2's decode row rule (:mod:`mm3lab.rows`).
 
     Args:
         index_q: ``[N, H, Di]`` float32/float16/bfloat16 index queries (``N = B * decode_query_len``,
@@ -165,8 +165,10 @@ def index_scores_decode(
     Raises:
         TypeError / ValueError: see :func:`index_topk_decode`.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks, index_scale)
-    if not _use_kernel(index_q, index_cache, block_table, seq_lens):
+    check_decode(
+        index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks, index_scale
+    )
+    if not _use_kernel("index_scores_decode", index_q, index_cache, block_table, seq_lens):
         return reference.index_scores_decode(
             index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, forced,
             index_scale=index_scale,
@@ -197,8 +199,10 @@ def index_scores_prefill(
     Returns:
         ``[H, N, M]`` float32, ``-inf`` at non-candidates.
     """
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks, index_scale)
-    if not _use_kernel(index_q, index_cache, block_table, query_req_id, query_abs_pos):
+    check_prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks, index_scale
+    )
+    if not _use_kernel("index_scores_prefill", index_q, index_cache, block_table, query_req_id, query_abs_pos):
         return reference.index_scores_prefill(
             index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, forced,
             index_scale=index_scale,
@@ -245,17 +249,14 @@ def index_topk_decode(
             (names ``seq_lens`` and the request) or a used block table entry outside the
             cache (names ``block_table``, the request and the block).
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale)
-    if not _use_kernel(index_q, index_cache, block_table, seq_lens):
-        return reference.index_topk_decode(
-            index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
-            index_scale=index_scale,
-        )
-    scores = _scores(
-        index_q, index_cache, block_table, seq_lens, seq_lens, decode_query_len, False, init_blocks, local_blocks, True,
+    check_decode(
+        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
+    )
+    rows = ("decode", seq_lens, decode_query_len)
+    return _select(
+        "index_topk_decode", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks,
         index_scale=index_scale,
     )
-    return _topk(scores, topk, seq_lens, seq_lens, block_table.shape[0], decode_query_len, False)
 
 
 def index_topk_prefill(
@@ -277,17 +278,14 @@ def index_topk_prefill(
     ``[0, B)`` on a row that is not padded (names ``query_req_id`` and the row) or a
     position ``>= M * 128`` (names ``query_abs_pos``).
     """
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale)
-    if not _use_kernel(index_q, index_cache, block_table, query_req_id, query_abs_pos):
-        return reference.index_topk_prefill(
-            index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks,
-            index_scale=index_scale,
-        )
-    scores = _scores(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, 1, True, init_blocks, local_blocks, True,
+    check_prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
+    )
+    rows = ("prefill", query_req_id, query_abs_pos)
+    return _select(
+        "index_topk_prefill", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks,
         index_scale=index_scale,
     )
-    return _topk(scores, topk, query_req_id, query_abs_pos, block_table.shape[0], 1, True)
 
 
 def index_topk_block_table_decode(
@@ -314,20 +312,14 @@ def index_topk_block_table_decode(
     Returns:
         ``(topk_idx [H, N, topk], sparse_bt [H, N, topk * 8], sparse_ctx [H, N])``, int32, contiguous.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale)
-    check_block_page_stride(block_page_stride)
-    if not _use_kernel(index_q, index_cache, block_table, seq_lens):
-        return reference.index_topk_block_table_decode(
-            index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
-            block_page_stride,
-            index_scale=index_scale,
-        )
-    scores = _scores(
-        index_q, index_cache, block_table, seq_lens, seq_lens, decode_query_len, False, init_blocks, local_blocks, True,
-        index_scale=index_scale,
+    check_decode(
+        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
     )
-    return _topk(
-        scores, topk, seq_lens, seq_lens, block_table.shape[0], decode_query_len, False, block_table, block_page_stride
+    check_block_page_stride(block_page_stride)
+    rows = ("decode", seq_lens, decode_query_len)
+    return _select(
+        "index_topk_block_table_decode", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks,
+        block_page_stride, index_scale=index_scale,
     )
 
 
@@ -346,20 +338,14 @@ def index_topk_block_table_prefill(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`index_topk_prefill` fused with :func:`mm3lab.build_sparse_block_table_prefill`
     (see :func:`index_topk_block_table_decode`)."""
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale)
-    check_block_page_stride(block_page_stride)
-    if not _use_kernel(index_q, index_cache, block_table, query_req_id, query_abs_pos):
-        return reference.index_topk_block_table_prefill(
-            index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks,
-            block_page_stride,
-            index_scale=index_scale,
-        )
-    scores = _scores(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, 1, True, init_blocks, local_blocks, True,
-        index_scale=index_scale,
+    check_prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
     )
-    return _topk(
-        scores, topk, query_req_id, query_abs_pos, block_table.shape[0], 1, True, block_table, block_page_stride
+    check_block_page_stride(block_page_stride)
+    rows = ("prefill", query_req_id, query_abs_pos)
+    return _select(
+        "index_topk_block_table_prefill", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks,
+        block_page_stride, index_scale=index_scale,
     )
 
 
@@ -367,7 +353,7 @@ def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """The indexer's top-k rule on any score tensor, every column a candidate (SPEC section 2, step 3).
 
     Ids by descending score, ties to the lower id, NaN as ``-1e30``, ``-1`` past the
-    row's width. Selects without sorting the row (one max-reduction per pick).
+    row's width (SPEC 2, step 3). Selects without sorting the row.
 
     Args:
         scores: ``[..., W]`` float32/float16/bfloat16, any strides.
@@ -378,8 +364,7 @@ def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
     check_topk_scores(scores, topk)
     if scores.shape[-1] == 0 or scores.numel() == 0:  # no candidates (or no rows): all -1
         return torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
-    interpreted_bf16 = backend.INTERPRETER and scores.dtype == torch.bfloat16
-    if not backend.use_kernel(scores) or interpreted_bf16:
+    if not backend.use_kernel(scores, entry_point="topk_blocks", fallback=backend.bf16_interpreted(scores.dtype)):
         return reference.topk_blocks(scores, topk)
     from .kernel import topk_kernel
 

@@ -16,7 +16,7 @@ The notebooks' pictures of block selection are drawn from these results.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -48,7 +48,7 @@ class Selection:
     def num_blocks(self) -> int:
         return self.scores.shape[2]
 
-    def with_topk(self, topk: int) -> "Selection":
+    def with_topk(self, topk: int) -> Selection:
         """The selection a smaller ``topk`` makes: the first ``topk`` ids of every row.
 
         Exact, because the top-k order (score descending, ties to the lower id) does not

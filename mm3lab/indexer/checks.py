@@ -18,15 +18,19 @@ never read (it stays a candidate with score ``-inf``).
 
 from __future__ import annotations
 
-import torch
-
 from .._checks import (  # noqa: F401  (check_block_page_stride, check_int re-exported)
     FLOAT_DTYPES,
+    blocks_used_decode,
+    blocks_used_prefill,
     check_block_page_stride,
+    check_decode_rows,
     check_index,
     check_int,
     check_same_device,
     check_tensor,
+    prefill_row_checks,
+    seq_lens_check,
+    table_entry_check,
     validation_enabled,
 )
 from .._checks import dtype_name as _dtype_name
@@ -74,20 +78,12 @@ def _check_common(index_q, index_cache, block_table, topk, init_blocks, local_bl
     check_int("local_blocks", local_blocks, minimum=0)
 
 
-def _table_entries_check(block_table, blocks_used, num_blocks):
-    """A physical id outside the index cache among the first ``blocks_used[r]`` entries of row ``r``."""
-    b, m = block_table.shape
-    used = torch.arange(m, device=block_table.device).view(1, m) < blocks_used.view(b, 1)
-    mask = used & ((block_table < 0) | (block_table >= num_blocks))
-
-    def message(r: int) -> str:
-        col = int(torch.nonzero(mask[r])[0, 0])
-        return (
-            f"block_table: request {r}, logical block {col} maps to physical block {int(block_table[r, col])}, "
-            f"outside the index cache's {num_blocks} blocks"
-        )
-
-    return mask, message
+def _table_entries_check(block_table, blocks_used, num_blocks, cache: str = "the index cache"):
+    """A physical id outside ``cache`` (``num_blocks`` blocks) among the entries row ``r`` reads."""
+    return table_entry_check(
+        block_table, blocks_used, (block_table < 0) | (block_table >= num_blocks),
+        lambda phys: f"maps to physical block {phys}, outside {cache}'s {num_blocks} blocks",
+    )
 
 
 def check_table_entries(block_table, req, pos, num_blocks: int, cache: str, seq_lens=None) -> None:
@@ -112,38 +108,11 @@ def check_table_entries(block_table, req, pos, num_blocks: int, cache: str, seq_
     ]
 
     def detail() -> None:
-        pos64 = pos.to(torch.int64)
-        req64 = req.to(torch.int64)
-        live = pos64 >= 0
-        bad_req = live & ((req64 < 0) | (req64 >= b))
-        ok = live & ~bad_req & (pos64 < capacity)
-        blocks_used = torch.zeros(b, dtype=torch.int64, device=pos.device)
-        if b:
-            needed = torch.where(ok, pos64 // SPARSE_BLOCK_SIZE + 1, 0)
-            blocks_used.scatter_reduce_(0, torch.where(ok, req64, 0), needed, reduce="amax")
-        checks = [(bad_req, lambda r: (
-            f"query_req_id: row {r} has request id {int(req[r])}, outside the block table's {b} requests [0, {b})"
-        ))]
+        checks = prefill_row_checks(req, pos, b, m)
         if seq_lens is not None:
-            lens = seq_lens.to(torch.int64)
-            checks.append((lens > capacity, lambda r: (
-                f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
-                f"{m} blocks = {capacity} tokens"
-            )))
-        checks.append((live & (pos64 >= capacity), lambda r: (
-            f"query_abs_pos: row {r} has position {int(pos[r])}, but a block_table row holds {m} blocks = "
-            f"{capacity} tokens"
-        )))
-        mask, _ = _table_entries_check(block_table, blocks_used, num_blocks)
-
-        def entry_message(r: int) -> str:
-            col = int(torch.nonzero(mask[r])[0, 0])
-            return (
-                f"block_table: request {r}, logical block {col} maps to physical block {int(block_table[r, col])}, "
-                f"outside {cache}'s {num_blocks} blocks"
-            )
-
-        checks.append((mask, entry_message))
+            checks.insert(1, seq_lens_check(seq_lens, m))
+        blocks_used = blocks_used_prefill(req, pos, b, m)
+        checks.append(_table_entries_check(block_table, blocks_used, num_blocks, cache))
         _raise_first(checks)
 
     _value_checks(segments, detail)
@@ -156,15 +125,9 @@ def check_decode(
     _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks)
     check_index_scale(index_cache, index_scale)  # FP8 keys (SPEC section 9)
     b, m = block_table.shape
-    check_index("seq_lens", seq_lens, shape=(b,))
-    dql = check_int("decode_query_len", decode_query_len, minimum=1)
-    check_same_device(index_q=index_q, index_cache=index_cache, block_table=block_table, seq_lens=seq_lens)
     n = index_q.shape[0]
-    if n != b * dql:
-        raise ValueError(
-            f"index_q: expected batch * decode_query_len = {b} * {dql} = {b * dql} rows "
-            f"(block_table has {b} requests), got {n}"
-        )
+    check_decode_rows("index_q", n, seq_lens, decode_query_len, b)
+    check_same_device(index_q=index_q, index_cache=index_cache, block_table=block_table, seq_lens=seq_lens)
     if not validation_enabled() or n == 0:
         return
     capacity = m * SPARSE_BLOCK_SIZE
@@ -175,18 +138,9 @@ def check_decode(
     ]
 
     def detail() -> None:
-        lens = seq_lens.to(torch.int64)
-        blocks_used = torch.div(lens.clamp(0, capacity) + SPARSE_BLOCK_SIZE - 1, SPARSE_BLOCK_SIZE,
-                                rounding_mode="floor")
         _raise_first([
-            (
-                lens > capacity,
-                lambda r: (
-                    f"seq_lens: request {r} has seq_len {int(seq_lens[r])}, but its block_table row holds "
-                    f"{m} blocks = {capacity} tokens"
-                ),
-            ),
-            _table_entries_check(block_table, blocks_used, num_blocks),
+            seq_lens_check(seq_lens, m),
+            _table_entries_check(block_table, blocks_used_decode(seq_lens, m), index_cache.shape[0]),
         ])
 
     _value_checks(segments, detail)
@@ -218,31 +172,10 @@ def check_prefill(
     ]
 
     def detail() -> None:
-        pos = query_abs_pos.to(torch.int64)
-        req = query_req_id.to(torch.int64)
-        live = (pos >= 0) & (req >= 0) & (req < b)
-        blocks_needed = torch.where(
-            live, torch.div(pos.clamp(0, capacity - 1), SPARSE_BLOCK_SIZE, rounding_mode="floor") + 1, 0
-        )
-        blocks_used = torch.zeros(b, dtype=torch.int64, device=pos.device)
-        if b:
-            blocks_used.scatter_reduce_(0, torch.where(live, req, 0), blocks_needed, reduce="amax")
+        blocks_used = blocks_used_prefill(query_req_id, query_abs_pos, b, m)
         _raise_first([
-            (
-                (pos >= 0) & ((req < 0) | (req >= b)),
-                lambda r: (
-                    f"query_req_id: row {r} has request id {int(query_req_id[r])}, outside the block table's "
-                    f"{b} requests [0, {b})"
-                ),
-            ),
-            (
-                pos >= capacity,
-                lambda r: (
-                    f"query_abs_pos: row {r} has position {int(query_abs_pos[r])}, but a block_table row holds "
-                    f"{m} blocks = {capacity} tokens"
-                ),
-            ),
-            _table_entries_check(block_table, blocks_used, num_blocks),
+            *prefill_row_checks(query_req_id, query_abs_pos, b, m),
+            _table_entries_check(block_table, blocks_used, index_cache.shape[0]),
         ])
 
     _value_checks(segments, detail)

@@ -48,6 +48,7 @@ from .. import backend
 from .._fp8_triton import round_to_e4m3
 from ..block_table.kernel import emit_sparse_block_table_row
 from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, RAW_SCORE_LIMIT, SPARSE_BLOCK_SIZE
+from ..rows import row_request_position
 
 MAX_REGISTER_ROW = 8192
 """Widest score row the top-k keeps in registers (8192 blocks = 1M tokens)."""
@@ -91,19 +92,11 @@ def _tile_rows(
     if PREFILL:
         n = (t * BLOCK_Q + qi).to(tl.int64)
         live = n < N
-        req = tl.load(req_ptr + n * stride_r, mask=live, other=-1).to(tl.int64)
-        p = tl.load(pos_ptr + n * stride_p, mask=live, other=-1).to(tl.int64)
-    else:
-        # Decode: tile t holds queries i of request r = t // TILES_PER_REQ; row n = r * dql + i.
-        req = qi.to(tl.int64) * 0 + t // TILES_PER_REQ
+    else:  # decode: tile t holds queries i of request t // TILES_PER_REQ
         i = (t % TILES_PER_REQ) * BLOCK_Q + qi
         live = i < DQL
-        n = req * DQL + i
-        seq_len = tl.load(req_ptr + req * stride_r, mask=live, other=0).to(tl.int64)
-        p = seq_len - DQL + i
-    in_range = (req >= 0) & (req < B)
-    p = tl.where(live & in_range, p, -1)
-    req = tl.where(in_range, req, 0)
+        n = (t // TILES_PER_REQ) * DQL + i.to(tl.int64)
+    req, p = row_request_position(n, live, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, PREFILL)
     return n, live, req, p
 
 
@@ -345,25 +338,17 @@ def _top_keys(keys, K, BLOCK_R: tl.constexpr, K_BLOCK: tl.constexpr, BITONIC: tl
 @triton.jit
 def _row_positions(
     row, row_ok, N, W, req_ptr, stride_r, pos_ptr, stride_p, B, DQL,
-    POSITIONS: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+    CAUSAL: tl.constexpr, PREFILL: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
 ):
     """``(n, request, p, valid)`` of flattened rows ``h * N + n``: candidates are 0 .. valid - 1."""
     n = row % N
-    req = tl.zeros_like(row)
-    p = tl.full(row.shape, -1, tl.int64)
-    if POSITIONS == 0:
-        valid = tl.where(row_ok, W, 0)
-    else:
-        if POSITIONS == 2:
-            req = tl.load(req_ptr + n * stride_r, mask=row_ok, other=-1).to(tl.int64)
-            p = tl.load(pos_ptr + n * stride_p, mask=row_ok, other=-1).to(tl.int64)
-        else:  # decode row n = r * dql + i is at p = seq_lens[r] - dql + i
-            req = n // DQL
-            p = tl.load(req_ptr + req * stride_r, mask=row_ok, other=0).to(tl.int64) - DQL + n % DQL
-        in_range = (req >= 0) & (req < B)
-        p = tl.where(row_ok & in_range, p, -1)  # a request id out of range: a padded row
-        req = tl.where(in_range, req, 0)
+    if CAUSAL:
+        req, p = row_request_position(n, row_ok, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, PREFILL)
         valid = tl.where(p >= 0, tl.minimum(p // SPARSE_BLOCK + 1, W), 0)
+    else:
+        req = tl.zeros_like(row)
+        p = tl.full(row.shape, -1, tl.int64)
+        valid = tl.where(row_ok, W, 0)
     return n, req, p, valid
 
 
@@ -373,13 +358,14 @@ def _topk_rows(
     stride_sh, stride_sn, stride_sw,
     topk_ptr,  # [H, N, K] int32 out, contiguous
     H, N, W, K,
-    req_ptr, stride_r,  # prefill: [N] query_req_id; decode: [B] seq_lens (POSITIONS only)
+    req_ptr, stride_r,  # prefill: [N] query_req_id; decode: [B] seq_lens (CAUSAL only)
     pos_ptr, stride_p,
     B, DQL,
     bt_ptr, stride_bb, stride_bm, M,  # block_table (EMIT_TABLE only)
     sbt_ptr,  # [H, N, K * 8] int32 out (EMIT_TABLE only)
     ctx_ptr,  # [H, N] int32 out (EMIT_TABLE only)
-    POSITIONS: tl.constexpr,  # 0: every column a candidate; 1: decode rows; 2: prefill rows
+    CAUSAL: tl.constexpr,  # False: every column a candidate; True: the rows' positions bound them
+    PREFILL: tl.constexpr,  # (CAUSAL) prefill rows, else decode rows
     EMIT_TABLE: tl.constexpr,
     BLOCK_R: tl.constexpr,  # (head, row) pairs per program
     BLOCK_W: tl.constexpr,
@@ -395,7 +381,7 @@ def _topk_rows(
     row = tl.program_id(0).to(tl.int64) * BLOCK_R + ridx  # flattened h * N + n
     row_ok = row < H * N
     n, req, p, valid = _row_positions(
-        row, row_ok, N, W, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, POSITIONS, SPARSE_BLOCK
+        row, row_ok, N, W, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, CAUSAL, PREFILL, SPARSE_BLOCK
     )
     h = row // N
     row_ptr = scores_ptr + h * stride_sh + n * stride_sn  # [BLOCK_R]
@@ -500,7 +486,9 @@ def topk_kernel(
     if group is None:
         group = TOPK_GROUP if block_w >= 64 * k_block else 1
     if group < 1 or (group > 1 and (group & (group - 1) or block_w // group < k_block)):
-        raise ValueError(f"group must be a power of 2 with at least {k_block} groups in a row of {block_w}, got {group}")
+        raise ValueError(
+            f"group must be a power of 2 with at least {k_block} groups in a row of {block_w}, got {group}"
+        )
     tile = rows_per_program * block_w
     _topk_rows[(triton.cdiv(rows, rows_per_program),)](
         scores, *scores.stride(),
@@ -508,7 +496,7 @@ def topk_kernel(
         req, req.stride(0), pos, pos.stride(0), batch, dql,
         block_table, *block_table.stride(), m,
         sparse_bt, sparse_ctx,
-        POSITIONS=positions, EMIT_TABLE=emit, BLOCK_R=rows_per_program,
+        CAUSAL=positions != 0, PREFILL=positions == 2, EMIT_TABLE=emit, BLOCK_R=rows_per_program,
         BLOCK_W=block_w, ONE_CHUNK=w <= block_w, GROUP=group, BITONIC=bitonic, K_BLOCK=k_block,
         BLOCK_PAGE_STRIDE=block_page_stride, SPARSE_BLOCK=SPARSE_BLOCK_SIZE, PAGES=PAGES_PER_SPARSE_BLOCK,
         num_warps=num_warps or (8 if tile >= 4096 and group == 1 else (4 if tile >= 1024 else 2)),

@@ -27,11 +27,11 @@ included); forcing is MiniMax-M3's (``init_blocks = 0``, ``local_blocks = 1``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from ..constants import INIT_SCORE, LOCAL_SCORE, SPARSE_BLOCK_SIZE
+from ..constants import LOCAL_SCORE, SPARSE_BLOCK_SIZE
 from ..fp8 import round_trip
 from .analysis import Selection, default_positions
 
@@ -221,7 +221,9 @@ def format_table(table: Sequence[QualityRow]) -> str:
     """The quality table as fixed-width text."""
     lines = [f"{'pattern':<8} {'context':>7} {'top-k':>5} {'recall':>7} {'mass bf16':>9} {'mass fp8':>8}"]
     for r in table:
-        lines.append(f"{r.pattern:<8} {r.context:>7} {r.topk:>5} {r.recall:>7.3f} {r.mass_bf16:>9.3f} {r.mass_fp8:>8.3f}")
+        lines.append(
+            f"{r.pattern:<8} {r.context:>7} {r.topk:>5} {r.recall:>7.3f} {r.mass_bf16:>9.3f} {r.mass_fp8:>8.3f}"
+        )
     return "\n".join(lines)
 
 

@@ -17,8 +17,7 @@ For every query row ``t`` (request ``r``, absolute position ``p``) and index hea
    ties to the lower block id, ``-1`` past ``min(topk, valid)``. A padded row
    (``p < 0``) is all ``-1``.
 
-Decode rows: row ``n = r * dql + i`` is at ``p = seq_lens[r] - dql + i``. Prefill
-rows carry ``query_req_id[n]`` and ``query_abs_pos[n]``.
+Rows: the SPEC 2 row rule (:func:`mm3lab.rows.decode_rows`).
 
 mm3lab's definitions for input that validation rejects (they apply only with
 validation off): a request id outside the block table makes the row padded,
@@ -36,13 +35,14 @@ These functions have the same signatures as the entry points in
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ..block_table.reference import build_sparse_block_table_decode, build_sparse_block_table_prefill
 from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, RAW_SCORE_LIMIT, SPARSE_BLOCK_SIZE
 from ..fp8 import dequantize
+from ..rows import decode_rows
 from .checks import NO_TOPK, check_block_page_stride, check_decode, check_prefill, check_topk_scores
 
 # --- one row, in the SPEC's words -----------------------------------------------------------
@@ -110,10 +110,8 @@ def _dequantized(index_q, index_cache, index_scale):
 
 
 def _decode_rows(seq_lens: torch.Tensor, decode_query_len: int) -> list[tuple[int, int]]:
-    rows = []
-    for r, seq_len in enumerate(seq_lens.tolist()):
-        rows.extend((r, seq_len - decode_query_len + i) for i in range(decode_query_len))
-    return rows
+    req, pos = decode_rows(seq_lens, decode_query_len)
+    return list(zip(req.tolist(), pos.tolist(), strict=True))
 
 
 def _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced) -> torch.Tensor:
@@ -154,7 +152,7 @@ def _topk(scores: torch.Tensor, rows, topk: int) -> torch.Tensor:
 
 def _prefill_rows(block_table, query_req_id, query_abs_pos):
     b = block_table.shape[0]
-    return [(r if 0 <= r < b else -1, p) for r, p in zip(query_req_id.tolist(), query_abs_pos.tolist())]
+    return [(r if 0 <= r < b else -1, p) for r, p in zip(query_req_id.tolist(), query_abs_pos.tolist(), strict=False)]
 
 
 def index_scores_decode(
@@ -182,7 +180,9 @@ def index_scores_decode(
     Returns:
         ``[H, N, M]`` float32; ``-inf`` for every non-candidate block.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks, index_scale)
+    check_decode(
+        index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks, index_scale
+    )
     index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _decode_rows(seq_lens, decode_query_len)
     return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
@@ -202,7 +202,9 @@ def index_scores_prefill(
 ) -> torch.Tensor:
     """Block scores of prefill rows (step 2); arguments as :func:`index_scores_decode` except
     ``query_req_id [N]`` / ``query_abs_pos [N]`` (negative position = padded row)."""
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks, index_scale)
+    check_prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks, index_scale
+    )
     index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
     return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
@@ -224,7 +226,9 @@ def index_topk_decode(
 
     Args: as :func:`index_scores_decode`, plus ``topk``, the blocks selected per row.
     """
-    check_decode(index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale)
+    check_decode(
+        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
+    )
     index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _decode_rows(seq_lens, decode_query_len)
     scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced=True)
@@ -244,7 +248,9 @@ def index_topk_prefill(
     index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Selected blocks of prefill rows (steps 2-3): ``[H, N, topk]`` int32, ``-1`` padding."""
-    check_prefill(index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale)
+    check_prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
+    )
     index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
     scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced=True)

@@ -28,6 +28,7 @@ import math
 import torch
 
 from ..constants import SPARSE_BLOCK_SIZE
+from ..rows import decode_rows
 
 __all__ = ["block_mask", "block_mask_decode", "flex_sparse_attention", "kv_layout", "pack_kv", "selected_blocks"]
 
@@ -144,13 +145,10 @@ def block_mask(
 def block_mask_decode(topk_idx: torch.Tensor, seq_lens, *, num_q_heads: int, decode_query_len: int = 1):
     """The decode form: rows are the last ``decode_query_len`` positions of each request, request-major.
 
-    ``topk_idx [Hkv, B * decode_query_len, topk]``; row ``r * q_len + i`` is request ``r`` at
-    position ``seq_lens[r] - q_len + i`` (negative: padded).
+    ``topk_idx [Hkv, B * decode_query_len, topk]``; rows by SPEC 2's decode row rule (:mod:`mm3lab.rows`).
     """
     lens = torch.as_tensor(seq_lens, dtype=torch.int64).to(topk_idx.device)
-    b = lens.shape[0]
-    req = torch.arange(b, device=topk_idx.device).repeat_interleave(decode_query_len)
-    pos = lens[req] - decode_query_len + torch.arange(b * decode_query_len, device=topk_idx.device) % decode_query_len
+    req, pos = decode_rows(lens, decode_query_len)
     pos = torch.where(pos < 0, -1, pos)
     return block_mask(topk_idx, req, pos, seq_lens, num_q_heads=num_q_heads)
 

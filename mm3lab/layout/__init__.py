@@ -135,7 +135,7 @@ def write_kv_page16(
     block_page_stride = check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if key.shape[0] == 0:
         return
-    if backend.use_kernel(key, k_cache):
+    if backend.use_kernel(key, k_cache, entry_point="write_kv_page16"):
         from .kernel import write_kv_page16_kernel
 
         if k_scale is not None and backend.INTERPRETER:

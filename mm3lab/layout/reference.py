@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from ..constants import PAGE16_SIDES_PER_BLOCK, PAGE_SIZE, SPARSE_BLOCK_SIZE
-from .._checks import check_index
 from ..fp8 import quantize
 from .checks import cache_slots, check_rebase_block_table, check_rebase_slots, check_write_kv
 

@@ -176,7 +176,9 @@ def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> None:
         return
     for name, t, view in (("k_scale", k_scale, k_cache), ("v_scale", v_scale, v_cache)):
         if t is None:
-            raise ValueError(f"{name}: an FP8 KV cache needs its per-(token, head) scales (PagedKVCache.{name}), got None")
+            raise ValueError(
+                f"{name}: an FP8 KV cache needs its per-(token, head) scales (PagedKVCache.{name}), got None"
+            )
         check_tensor(name, t, shape=tuple(view.shape[:3]), dtypes=(torch.float32,))
         check_same_device(k_cache=k_cache, **{name: t})
 
@@ -245,7 +247,10 @@ def sides_are_packed(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 
 
 def sparse_block_page_stride(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
-    """Page ids per physical block for these views: 16 when packed, else 8 (views checked as in :func:`check_kv_views`)."""
+    """Page ids per physical block for these views: 16 when packed, else 8.
+
+    The views are checked as in :func:`check_kv_views`.
+    """
     return check_kv_views(k_cache, v_cache)
 
 
@@ -280,7 +285,8 @@ def check_kv_views(k_cache, v_cache) -> int:
         return PACKED_STRIDE
     raise ValueError(
         f"k_cache/v_cache: page counts {pk} and {pv} fit neither layout "
-        f"(dense: equal, a multiple of {DENSE_STRIDE}; packed: v = k - {PAGES_PER_SPARSE_BLOCK}, k a multiple of {PACKED_STRIDE})"
+        f"(dense: equal, a multiple of {DENSE_STRIDE}; "
+        f"packed: v = k - {PAGES_PER_SPARSE_BLOCK}, k a multiple of {PACKED_STRIDE})"
     )
 
 

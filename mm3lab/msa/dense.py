@@ -15,7 +15,8 @@ from ..attention import sparse_attention
 from ..block_table import build_sparse_block_table_decode, build_sparse_block_table_prefill
 from ..indexer.checks import check_table_entries
 from ..layout import num_cache_blocks, write_kv_page16
-from .layer import MSAStep, _check_query, _prepare_inserts, decode_query_rows
+from ..rows import decode_query_rows
+from .layer import MSAStep, _check_query, _prepare_inserts
 
 __all__ = ["dense_decode", "dense_prefill"]
 

@@ -26,11 +26,11 @@ and the attention read the stored values times their scales. With an FP8 KV cach
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import torch
 
-from .._checks import check_index, check_int, check_no_alias, check_same_device, check_scale, check_tensor, validation
-from .._rows import rows_and_slots
+from .._checks import check_int, check_no_alias, check_same_device, check_scale, check_tensor, validation
 from ..attention import sparse_attention
 from ..constants import DEFAULT_TOPK
 from ..fp8 import FP8_DTYPE
@@ -48,6 +48,7 @@ from ..indexer.checks import check_prefill as check_indexer_prefill
 from ..layout import check_kv_views, num_cache_blocks, write_kv_page16
 from ..layout.checks import check_write_kv
 from ..layout.views import check_kv_scales
+from ..rows import decode_query_rows, rows_and_slots
 
 __all__ = ["MSAStep", "decode_query_rows", "msa_decode", "msa_prefill"]
 
@@ -78,28 +79,6 @@ class MSAStep:
 
 
 # ----------------------------------------------------------------------------
-# rows and slots
-# ----------------------------------------------------------------------------
-
-
-def decode_query_rows(seq_lens: torch.Tensor, decode_query_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request and position of every decode row: row ``n = r * dql + i`` is at ``p = seq_lens[r] - dql + i``.
-
-    Args:
-        seq_lens: ``[B]`` tokens per request, the decode queries included.
-        decode_query_len: query tokens per request (``> 1`` for speculative decode).
-    Returns:
-        ``(query_req_id [B * dql], query_abs_pos [B * dql])`` int32; ``p < 0`` marks a padded row (``-1``).
-    """
-    check_index("seq_lens", seq_lens, ndim=1)
-    dql = check_int("decode_query_len", decode_query_len, minimum=1)
-    rows = torch.arange(seq_lens.shape[0] * dql, device=seq_lens.device)
-    req = rows // dql
-    pos = seq_lens.long()[req] - dql + rows % dql
-    return req.to(torch.int32), pos.clamp(min=-1).to(torch.int32)
-
-
-# ----------------------------------------------------------------------------
 # validation of the whole step, before any cache is written
 # ----------------------------------------------------------------------------
 
@@ -123,18 +102,6 @@ def _check_query(q, k_cache, v_cache, index_q=None, k_scale=None, v_scale=None) 
     if q.shape[1] % hkv:
         raise ValueError(f"q: {q.shape[1]} query heads are not a multiple of the cache's {hkv} KV heads")
     return block_page_stride
-
-
-def _decode_rows_and_slots(block_table, seq_lens, decode_query_len):
-    """``(req, pos, slots)`` of decode rows in one launch: :func:`decode_query_rows` and
-    :func:`mm3lab.index_cache.token_slots` (the rows are inside the table: checked with the indexer's arguments)."""
-    n = seq_lens.shape[0] * decode_query_len
-    dev = seq_lens.device
-    req = torch.empty(n, dtype=torch.int32, device=dev)
-    pos = torch.empty(n, dtype=torch.int32, device=dev)
-    slots = torch.empty(n, dtype=torch.int64, device=dev)
-    rows_and_slots(block_table, req, pos, slots, seq_lens=seq_lens, decode_query_len=decode_query_len)
-    return req, pos, slots
 
 
 def _prepare_inserts(
@@ -186,15 +153,86 @@ def _check_index_step(index_k, index_cache, k_cache, v_cache, topk) -> None:
         )
 
 
-def _insert(key, value, index_k, k_cache, v_cache, index_cache, slots, index_scale=None, k_scale=None, v_scale=None):
-    if index_cache is not None:
-        insert_index_cache(index_k, index_cache, slots, index_scale=index_scale)
-    write_kv_page16(key, value, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
+# ----------------------------------------------------------------------------
+# the MSA layer, on kernel steps or (mm3lab.msa.reference) on reference steps
+# ----------------------------------------------------------------------------
 
 
-# ----------------------------------------------------------------------------
-# the MSA layer
-# ----------------------------------------------------------------------------
+def _kernel_rows_and_slots(block_table, rows):
+    """``(req, pos, slots)`` in one launch (:func:`mm3lab.rows.rows_and_slots`)."""
+    kind, first, second = rows
+    if kind == "decode":
+        n, dev = first.shape[0] * second, first.device
+        req = torch.empty(n, dtype=torch.int32, device=dev)
+        pos = torch.empty(n, dtype=torch.int32, device=dev)
+        slots = torch.empty(n, dtype=torch.int64, device=dev)
+        rows_and_slots(block_table, req, pos, slots, seq_lens=first, decode_query_len=second)
+        return req, pos, slots
+    slots = torch.empty(second.shape[0], dtype=torch.int64, device=second.device)
+    rows_and_slots(block_table, first, second, slots)
+    return first, second, slots
+
+
+KERNEL_STEPS = types.SimpleNamespace(
+    rows_and_slots=_kernel_rows_and_slots,
+    insert_index_cache=insert_index_cache,
+    write_kv_page16=write_kv_page16,
+    index_topk_block_table_decode=index_topk_block_table_decode,
+    index_topk_block_table_prefill=index_topk_block_table_prefill,
+    index_scores_decode=index_scores_decode,
+    index_scores_prefill=index_scores_prefill,
+    sparse_attention=sparse_attention,
+)
+"""The steps :func:`msa_decode` / :func:`msa_prefill` join; :mod:`mm3lab.msa.reference` joins their twins."""
+
+
+def run_layer(steps, rows, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, *,
+              topk, init_blocks, local_blocks, scale, return_intermediates,
+              index_scale=None, k_scale=None, v_scale=None):
+    """The MSA layer with its steps taken from ``steps`` (:data:`KERNEL_STEPS` or the reference's).
+
+    ``rows``: ``("decode", seq_lens, decode_query_len)`` or ``("prefill", query_req_id, query_abs_pos)``.
+    ``index_scale`` / ``k_scale`` / ``v_scale``: the scales of FP8 caches (SPEC 9), else ``None``.
+    Every argument is checked before the first cache write (SPEC 7): the values in one launch and
+    one host read (the indexer's checks); the slots and tables the later steps build from them are
+    inside the caches, so the steps' own value checks do not run again (their structural checks do).
+    """
+    kind, first, second = rows
+    decode = kind == "decode"
+    block_page_stride = _check_query(q, k_cache, v_cache, index_q, k_scale, v_scale)
+    _check_index_step(index_k, index_cache, k_cache, v_cache, topk)
+    if decode:
+        check_indexer_decode(
+            index_q, index_cache, block_table, first, topk, second, init_blocks, local_blocks, index_scale
+        )
+        row_args, extra = (first,), (second,)  # the steps take (seq_lens, ..., decode_query_len, ...)
+    else:
+        check_indexer_prefill(
+            index_q, index_cache, block_table, first, second, topk, init_blocks, local_blocks, index_scale
+        )
+        row_args, extra = (first, second), ()
+    req, pos, slots = steps.rows_and_slots(block_table, rows)
+    with validation(False):
+        slots = _prepare_inserts(
+            q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale,
+            table_checked=True, slots=slots, index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
+        )
+        if index_cache is not None:
+            steps.insert_index_cache(index_k, index_cache, slots, index_scale=index_scale)
+        steps.write_kv_page16(key, value, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
+        select = steps.index_topk_block_table_decode if decode else steps.index_topk_block_table_prefill
+        topk_idx, sparse_bt, sparse_ctx = select(
+            index_q, index_cache, block_table, *row_args, topk, *extra, init_blocks, local_blocks, block_page_stride,
+            index_scale=index_scale,
+        )
+        out, lse = steps.sparse_attention(
+            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True, k_scale=k_scale, v_scale=v_scale
+        )
+        if not return_intermediates:
+            return out
+        score = steps.index_scores_decode if decode else steps.index_scores_prefill
+        scores = score(index_q, index_cache, block_table, *row_args, *extra, index_scale=index_scale)
+    return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)
 
 
 def msa_decode(
@@ -222,8 +260,8 @@ def msa_decode(
     """One MSA layer for decode (and speculative-decode) rows: insert, select, attend.
 
     The ``N = B * decode_query_len`` new tokens are the last positions of their
-    requests (row ``n = r * dql + i`` at ``p = seq_lens[r] - dql + i``); their index
-    key, K and V are written to the caches first, so every query sees itself.
+    requests (SPEC 2 row rule, :mod:`mm3lab.rows`); their index key, K and V are
+    written to the caches first, so every query sees itself.
 
     Args:
         q: ``[N, Hq, D]`` queries (RoPE applied).
@@ -243,32 +281,11 @@ def msa_decode(
     Returns:
         ``out [N, Hq, D]`` in q's dtype, or ``(out, MSAStep)``.
     """
-    block_page_stride = _check_query(q, k_cache, v_cache, index_q, k_scale, v_scale)
-    _check_index_step(index_k, index_cache, k_cache, v_cache, topk)
-    check_indexer_decode(
-        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
+    return run_layer(
+        KERNEL_STEPS, ("decode", seq_lens, decode_query_len), q, key, value, index_q, index_k, k_cache, v_cache,
+        index_cache, block_table, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks, scale=scale,
+        return_intermediates=return_intermediates, index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
     )
-    req, pos, slots = _decode_rows_and_slots(block_table, seq_lens, decode_query_len)
-    # The values were checked above, in one launch and one host read (check_indexer_decode): the
-    # slots and the tables the later steps build from them are inside the caches, so the steps'
-    # own value checks do not run again (their structural checks do).
-    with validation(False):
-        slots = _prepare_inserts(
-            q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale,
-            table_checked=True, slots=slots, index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
-        )
-        _insert(key, value, index_k, k_cache, v_cache, index_cache, slots, index_scale, k_scale, v_scale)
-        topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_decode(
-            index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
-            block_page_stride, index_scale=index_scale,
-        )
-        out, lse = sparse_attention(
-            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True, k_scale=k_scale, v_scale=v_scale
-        )
-        if not return_intermediates:
-            return out
-        scores = index_scores_decode(index_q, index_cache, block_table, seq_lens, decode_query_len, index_scale=index_scale)
-    return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)
 
 
 def msa_prefill(
@@ -304,28 +321,8 @@ def msa_prefill(
     Returns:
         ``out [N, Hq, D]``, or ``(out, MSAStep)``.
     """
-    block_page_stride = _check_query(q, k_cache, v_cache, index_q, k_scale, v_scale)
-    _check_index_step(index_k, index_cache, k_cache, v_cache, topk)
-    check_indexer_prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
+    return run_layer(
+        KERNEL_STEPS, ("prefill", query_req_id, query_abs_pos), q, key, value, index_q, index_k, k_cache, v_cache,
+        index_cache, block_table, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks, scale=scale,
+        return_intermediates=return_intermediates, index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
     )
-    req, pos = query_req_id, query_abs_pos
-    slots = torch.empty(pos.shape[0], dtype=torch.int64, device=pos.device)
-    rows_and_slots(block_table, req, pos, slots)
-    with validation(False):  # values checked above in one read (check_indexer_prefill): not again
-        slots = _prepare_inserts(
-            q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale,
-            table_checked=True, slots=slots, index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
-        )
-        _insert(key, value, index_k, k_cache, v_cache, index_cache, slots, index_scale, k_scale, v_scale)
-        topk_idx, sparse_bt, sparse_ctx = index_topk_block_table_prefill(
-            index_q, index_cache, block_table, req, pos, topk, init_blocks, local_blocks, block_page_stride,
-            index_scale=index_scale,
-        )
-        out, lse = sparse_attention(
-            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True, k_scale=k_scale, v_scale=v_scale
-        )
-        if not return_intermediates:
-            return out
-        scores = index_scores_prefill(index_q, index_cache, block_table, req, pos, index_scale=index_scale)
-    return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)

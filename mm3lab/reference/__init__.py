@@ -2,18 +2,12 @@
 
 Each is written as plain loops in the SPEC's terms: it is the specification
 the Triton kernels are tested against, and the code to read when a kernel's
-behaviour is in question. They run on any device, slowly.
+behaviour is in question. They run on any device, slowly. By step: layout
+(SPEC 4), block table (SPEC 3), index cache and indexer (SPEC 2, steps 1-3),
+attention (SPEC 5), and the whole layer, ``msa_decode`` / ``msa_prefill`` (SPEC 2).
 """
 
-from ..constants import PAGE16_SIDES_PER_BLOCK, PAGE_SIZE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE  # noqa: F401
-from ..layout.reference import (  # noqa: F401
-    rebase_block_table_to_page16,
-    rebase_slot_mapping_to_page16,
-    write_kv_page16,
-)
-from ..layout.views import sides_are_packed, sparse_block_page_stride  # noqa: F401  (metadata only: one definition)
-
-# --- sparse block table (SPEC section 3) ---
+from ..attention.reference import dense_masked_attention, sparse_attention  # noqa: F401
 from ..block_table.reference import (  # noqa: F401
     attended_ranges,
     attended_tokens,
@@ -23,7 +17,7 @@ from ..block_table.reference import (  # noqa: F401
     plan_sparse_row,
     sparse_block_table_row,
 )
-# --- index cache and indexer (SPEC section 2, steps 1-3) ---
+from ..constants import PAGE16_SIDES_PER_BLOCK, PAGE_SIZE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE  # noqa: F401
 from ..index_cache.reference import insert_index_cache, token_slots  # noqa: F401
 from ..indexer.reference import (  # noqa: F401
     block_score,
@@ -38,5 +32,10 @@ from ..indexer.reference import (  # noqa: F401
     select_topk,
     topk_blocks,
 )
-# --- sparse paged attention and the MSA step (SPEC section 5) ---
-from ..attention.reference import dense_masked_attention, sparse_attention  # noqa: F401
+from ..layout.reference import (  # noqa: F401
+    rebase_block_table_to_page16,
+    rebase_slot_mapping_to_page16,
+    write_kv_page16,
+)
+from ..layout.views import sides_are_packed, sparse_block_page_stride  # noqa: F401  (metadata only: one definition)
+from ..msa.reference import msa_decode, msa_prefill  # noqa: F401

@@ -8,23 +8,50 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
 from ..constants import DEFAULT_TOPK, HEAD_DIM, INDEX_HEAD_DIM, MAX_CONTEXT, NUM_KV_HEADS, NUM_Q_HEADS
 
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+RESULTS_ENV = "MM3LAB_RESULTS"
+"""Environment variable naming a results file, or a folder of them, for :func:`load_results`."""
+
+RESULTS_SUBDIR = Path("benchmarks") / "results"
+"""Where a checkout keeps its results (the benchmarks write ``benchmarks/results/<gpu>.json``)."""
+
+
+def results_path(path: str | Path | None = None) -> Path:
+    """The results file :func:`load_results` reads.
+
+    ``path`` (a file, or a folder whose first ``*.json`` is taken); else ``$MM3LAB_RESULTS``
+    (the same); else ``benchmarks/results`` in the working directory or the nearest parent
+    holding one (a checkout: the notebooks run in ``notebooks/``). An installed package
+    ships no results: pass the path or set the variable.
+    """
+    if path is None:
+        path = os.environ.get(RESULTS_ENV) or None
+    if path is None:
+        cwd = Path.cwd().resolve()
+        found = [d / RESULTS_SUBDIR for d in (cwd, *cwd.parents) if (d / RESULTS_SUBDIR).is_dir()]
+        if not found:
+            raise FileNotFoundError(
+                f"no {RESULTS_SUBDIR} here or above {cwd}; pass the results path or set {RESULTS_ENV}"
+            )
+        path = found[0]
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.json"))
+        if not files:
+            raise FileNotFoundError(f"no benchmark results in {path}; run python3 -m benchmarks on a GPU")
+        path = files[0]
+    return path
 
 
 def load_results(path: str | Path | None = None) -> dict:
-    """The results file: ``{"meta": {...}, "records": [...]}`` (the only file in the folder by default)."""
-    if path is None:
-        files = sorted(RESULTS_DIR.glob("*.json"))
-        if not files:
-            raise FileNotFoundError(f"no benchmark results in {RESULTS_DIR}; run python3 -m benchmarks on a GPU")
-        path = files[0]
-    return json.loads(Path(path).read_text())
+    """The results file: ``{"meta": {...}, "records": [...]}``, found by :func:`results_path`."""
+    return json.loads(results_path(path).read_text())
 
 
 def records(results: dict, name: str, baseline: str | None = None) -> list[dict]:

@@ -265,7 +265,8 @@ class Checker:
         if kind == "toggle":
             buttons = control.locator("button")
             labels = [buttons.nth(i).inner_text() for i in range(buttons.count())]
-            active = [i for i in range(buttons.count()) if "mod-active" in (buttons.nth(i).get_attribute("class") or "")]
+            classes = [buttons.nth(i).get_attribute("class") or "" for i in range(buttons.count())]
+            active = [i for i, c in enumerate(classes) if "mod-active" in c]
             others = [i for i in range(len(labels)) if i not in active]
             order = (others + active)[:2] if len(others) < 2 else others[:2]
             return [(f"click {labels[i]!r}", (lambda i=i: buttons.nth(i).click())) for i in order]
