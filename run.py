@@ -37,10 +37,17 @@ PY = BIN / ("python.exe" if os.name == "nt" else "python")
 NBVAL_CELL_TIMEOUT_S = 120  # the slowest cell takes well under a minute; past this the cell fails
 PYTEST_ARGS = [
     "-q",
-    "-n", "2", "--dist", "loadfile",
-    "--nbval", "--nbval-current-env", "--nbval-sanitize-with", "tests/nbval_sanitize.cfg",
+    "-n",
+    "2",
+    "--dist",
+    "loadfile",
+    "--nbval",
+    "--nbval-current-env",
+    "--nbval-sanitize-with",
+    "tests/nbval_sanitize.cfg",
     f"--nbval-cell-timeout={NBVAL_CELL_TIMEOUT_S}",
-    "tests", "notebooks",
+    "tests",
+    "notebooks",
 ]
 CHROMIUM = Path("/usr/bin/chromium")
 BROWSER_STAMP = VENV / ".mm3lab-browser-installed"
@@ -76,13 +83,27 @@ def ensure_env() -> None:
 def ensure_browser() -> None:
     """Playwright in ``.venv`` (the ``browser`` extra) and a system Chromium for it to drive."""
     if not (BROWSER_STAMP.exists() and BROWSER_STAMP.read_text() == _fingerprint()):
-        _run([PY, "-m", "pip", "--disable-pip-version-check", "install", "-q", "-c", "constraints.txt",
-              "-e", ".[test,browser]"])
+        _run(
+            [
+                PY,
+                "-m",
+                "pip",
+                "--disable-pip-version-check",
+                "install",
+                "-q",
+                "-c",
+                "constraints.txt",
+                "-e",
+                ".[test,browser]",
+            ]
+        )
         BROWSER_STAMP.write_text(_fingerprint())
     if not CHROMIUM.exists():
         if not (hasattr(os, "geteuid") and os.geteuid() == 0):
-            raise SystemExit(f"{CHROMIUM} is missing: install Debian's chromium package "
-                             "(sudo apt-get install -y chromium) and run again")
+            raise SystemExit(
+                f"{CHROMIUM} is missing: install Debian's chromium package "
+                "(sudo apt-get install -y chromium) and run again"
+            )
         _run(["apt-get", "update"])
         _run(["apt-get", "install", "-y", "chromium"], env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
 

@@ -28,8 +28,16 @@ GOALS = {
     "prefill_random_ms": 3.03,  # issue 15: random selections, no slower than the per-token kernel's old time
 }
 
-ENTRY_POINTS = ("sparse_attention", "attention_prefill", "block_table_decode", "indexer_decode", "topk",
-                "index_cache_insert", "msa_decode", "msa_decode_plan")
+ENTRY_POINTS = (
+    "sparse_attention",
+    "attention_prefill",
+    "block_table_decode",
+    "indexer_decode",
+    "topk",
+    "index_cache_insert",
+    "msa_decode",
+    "msa_decode_plan",
+)
 """Record names of mm3lab entry points (the host-overhead goal pairs their eager and graph records)."""
 
 
@@ -82,8 +90,15 @@ def goals(records: list) -> list[dict]:
 
 
 SUITE_WEIGHTS = {
-    "attention_decode": 3.0, "attention_prefill": 4.0, "spec_decode": 1.0, "block_table": 1.0,
-    "indexer_decode": 1.0, "topk": 0.5, "index_cache": 0.5, "msa_decode": 2.0, "msa_decode_stages": 3.0,
+    "attention_decode": 3.0,
+    "attention_prefill": 4.0,
+    "spec_decode": 1.0,
+    "block_table": 1.0,
+    "indexer_decode": 1.0,
+    "topk": 0.5,
+    "index_cache": 0.5,
+    "msa_decode": 2.0,
+    "msa_decode_stages": 3.0,
 }
 """Relative share of ``--budget`` per suite (a suite not listed: 1). A suite past its share starts no new shape."""
 
@@ -97,24 +112,45 @@ def _suite_fn(name: str):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m benchmarks", description=sys.modules[__package__].__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python3 -m benchmarks",
+        description=sys.modules[__package__].__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--quick", action="store_true", help="one shape per suite")
     parser.add_argument("--only", nargs="*", choices=sorted(suites.SUITES), help="run only these suites")
     parser.add_argument("--out", default=None, help="results file (default benchmarks/results/<gpu>.json)")
-    parser.add_argument("--fresh", action="store_true",
-                        help="overwrite the results file (default: keep the records of suites not run now)")
-    parser.add_argument("--budget", type=float, default=None,
-                        help=f"seconds for the run's suites, shared by weight (GPU default {DEFAULT_BUDGET_S:.0f}; "
-                             "0 = none)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="tiny shapes on the CPU, every suite's code path, no GPU and no committed results")
-    parser.add_argument("--backend", default=None, choices=("triton", "interpret", "torch"),
-                        help="mm3lab backend for the run (dry run default: torch)")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="overwrite the results file (default: keep the records of suites not run now)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help=f"seconds for the run's suites, shared by weight (GPU default {DEFAULT_BUDGET_S:.0f}; 0 = none)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny shapes on the CPU, every suite's code path, no GPU and no committed results",
+    )
+    parser.add_argument(
+        "--backend",
+        default=None,
+        choices=("triton", "interpret", "torch"),
+        help="mm3lab backend for the run (dry run default: torch)",
+    )
     parser.add_argument("--calls", type=int, default=None, help="calls per sample (default 20; dry run 2)")
     parser.add_argument("--samples", type=int, default=None, help="samples per measurement (default 10; dry run 2)")
-    parser.add_argument("--merge", nargs="+", metavar="FILE", default=None,
-                        help="merge results files (later files win per suite) into --out; runs nothing, no GPU")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="FILE",
+        default=None,
+        help="merge results files (later files win per suite) into --out; runs nothing, no GPU",
+    )
     args = parser.parse_args(argv)
     if args.merge:
         return _merge_files(args.merge, args.out)
@@ -128,14 +164,29 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     started = time.time()
     if args.dry_run:
-        ctx = Context(device="cpu", gpu="cpu-dry-run", copy_TBps=None, quick=True, dry_run=True,
-                      calls=args.calls or 2, samples=args.samples or 2, shapes=suites.dry_run_shapes())
+        ctx = Context(
+            device="cpu",
+            gpu="cpu-dry-run",
+            copy_TBps=None,
+            quick=True,
+            dry_run=True,
+            calls=args.calls or 2,
+            samples=args.samples or 2,
+            shapes=suites.dry_run_shapes(),
+        )
         out = Path(args.out) if args.out else Path(tempfile.gettempdir()) / f"mm3lab-bench-dry-run-{os.getpid()}.json"
         budget = args.budget or None
     else:
         gpu = torch.cuda.get_device_name(0)
-        ctx = Context(device="cuda", gpu=gpu, copy_TBps=None, quick=args.quick, calls=args.calls or 20,
-                      samples=args.samples or 10, shapes=suites.model_shapes(args.quick))
+        ctx = Context(
+            device="cuda",
+            gpu=gpu,
+            copy_TBps=None,
+            quick=args.quick,
+            calls=args.calls or 20,
+            samples=args.samples or 10,
+            shapes=suites.model_shapes(args.quick),
+        )
         out = Path(args.out) if args.out else results_path(gpu)
         budget = DEFAULT_BUDGET_S if args.budget is None else (args.budget or None)
     names = args.only or list(suites.SUITES)
@@ -143,20 +194,44 @@ def main(argv=None) -> int:
     run_id = f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(started))}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     def save(final: bool) -> Path:
-        meta = {"mm3lab": mm3lab.__version__, "seconds": round(time.time() - started, 1), "failures": failures,
-                "quick": args.quick, "dry_run": args.dry_run, "backend": mm3lab.get_backend(),
-                "calls_per_sample": ctx.calls, "samples": ctx.samples, "max_sample_ms": ctx.max_sample_ms,
-                "launch_floor_ms": floor, "skipped": ctx.notes, "suites": [n for n in names if n in seconds],
-                "suite_seconds": seconds, "budget_s": budget, "complete": final,
-                "runs": [{"id": run_id, "suites": [n for n in names if n in seconds],
-                          "seconds": round(time.time() - started, 1)}]}
+        meta = {
+            "mm3lab": mm3lab.__version__,
+            "seconds": round(time.time() - started, 1),
+            "failures": failures,
+            "quick": args.quick,
+            "dry_run": args.dry_run,
+            "backend": mm3lab.get_backend(),
+            "calls_per_sample": ctx.calls,
+            "samples": ctx.samples,
+            "max_sample_ms": ctx.max_sample_ms,
+            "launch_floor_ms": floor,
+            "skipped": ctx.notes,
+            "suites": [n for n in names if n in seconds],
+            "suite_seconds": seconds,
+            "budget_s": budget,
+            "complete": final,
+            "runs": [
+                {"id": run_id, "suites": [n for n in names if n in seconds], "seconds": round(time.time() - started, 1)}
+            ],
+        }
         return write_results(ctx, path=out, meta=meta, merge=not args.fresh, finalize=_check_goals)
 
     ctx.suite = "setup"
     if ctx.cuda:
         ctx.copy_TBps = copy = measure_copy_bandwidth()
-        ctx.add("copy_bandwidth", {"bytes": 2 << 30}, 2 * (2 << 30) / (copy * 1e12) * 1e3, None, None, 2 * (2 << 30),
-                mode="eager", cv=None, samples=None, validation=None, fallback=None)
+        ctx.add(
+            "copy_bandwidth",
+            {"bytes": 2 << 30},
+            2 * (2 << 30) / (copy * 1e12) * 1e3,
+            None,
+            None,
+            2 * (2 << 30),
+            mode="eager",
+            cv=None,
+            samples=None,
+            validation=None,
+            fallback=None,
+        )
     floor = suites.run_launch_overhead(ctx)
     for i, name in enumerate(names):
         t0 = time.time()
@@ -186,8 +261,11 @@ def main(argv=None) -> int:
     copy = "-" if ctx.copy_TBps is None else f"{ctx.copy_TBps:.3f} TB/s"
     print(f"copy bandwidth {copy}; results in {path}")
     _print_table(ctx.records)
-    print("seconds per suite: " + ", ".join(f"{k} {v}" for k, v in seconds.items())
-          + f"; total {time.time() - started:.1f}")
+    print(
+        "seconds per suite: "
+        + ", ".join(f"{k} {v}" for k, v in seconds.items())
+        + f"; total {time.time() - started:.1f}"
+    )
     _print_goals(payload["meta"]["goals"])
     for note in ctx.notes:
         print(f"skipped: {note}")
@@ -212,14 +290,18 @@ def _merge_files(paths, out) -> int:
 
 
 def _print_table(records) -> None:
-    print(f"{'name':<22}{'shape':<44}{'mode':<6}{'val':>4}{'ms':>11}{'cv':>6}{'baseline':>17}{'base ms':>11}"
-          f"{'speedup':>9}")
+    print(
+        f"{'name':<22}{'shape':<44}{'mode':<6}{'val':>4}{'ms':>11}{'cv':>6}{'baseline':>17}{'base ms':>11}"
+        f"{'speedup':>9}"
+    )
     for r in records:
         shape = ",".join(f"{k}={v}" for k, v in r["shape"].items())[:42]
         val = {True: "on", False: "off"}.get(r.get("validation"), "-")
-        print(f"{r['name'][:21]:<22}{shape:<44}{r.get('mode') or '-':<6}{val:>4}{r['ms']:>11.4f}"
-              f"{(r.get('cv') or 0):>6.2f}{r['baseline'] or '-'!s:>17}{(r['baseline_ms'] or 0):>11.4f}"
-              f"{(r['speedup'] or 0):>9.2f}")
+        print(
+            f"{r['name'][:21]:<22}{shape:<44}{r.get('mode') or '-':<6}{val:>4}{r['ms']:>11.4f}"
+            f"{(r.get('cv') or 0):>6.2f}{r['baseline'] or '-'!s:>17}{(r['baseline_ms'] or 0):>11.4f}"
+            f"{(r['speedup'] or 0):>9.2f}"
+        )
 
 
 def _print_goals(checked) -> None:

@@ -109,8 +109,9 @@ def _calls_for(fns, calls: int, cuda: bool, max_sample_ms: float | None) -> int:
     return max(1, min(calls, int(max_sample_ms / max(one, 1e-6))))
 
 
-def time_eager(fns, *, calls: int = 20, samples: int = 10, warmup: int = 3, device=None,
-               max_sample_ms: float | None = None) -> Timing:
+def time_eager(
+    fns, *, calls: int = 20, samples: int = 10, warmup: int = 3, device=None, max_sample_ms: float | None = None
+) -> Timing:
     """Eager time per call: ``samples`` samples of ``calls`` calls, rotating over ``fns`` (buffer sets).
 
     On a GPU a sample is timed with CUDA events (the device is idle before it starts);
@@ -146,8 +147,9 @@ def time_eager(fns, *, calls: int = 20, samples: int = 10, warmup: int = 3, devi
     return Timing(ms, cv, samples, "eager", statistics.median(host), calls)
 
 
-def time_graph(fns, *, calls: int = 20, samples: int = 10, warmup: int = 3,
-               max_sample_ms: float | None = None) -> Timing:
+def time_graph(
+    fns, *, calls: int = 20, samples: int = 10, warmup: int = 3, max_sample_ms: float | None = None
+) -> Timing:
     """CUDA-graph replay time per call: ``calls`` calls (rotating over ``fns``) captured in one graph,
     replayed ``samples`` times. Run with validation off (value checks sync, which capture forbids)."""
     fns = _rotation(fns)
@@ -310,9 +312,17 @@ class Context:
                 if base is not None and bt is None:
                     continue
                 self.add(
-                    name, shape, t.ms, base, None if bt is None else bt.ms, bytes_moved,
-                    **t.fields(), validation=validation, fallback=fallback,
-                    **({} if bt is None else {"baseline_cv": round(bt.cv, 4)}), **extra,
+                    name,
+                    shape,
+                    t.ms,
+                    base,
+                    None if bt is None else bt.ms,
+                    bytes_moved,
+                    **t.fields(),
+                    validation=validation,
+                    fallback=fallback,
+                    **({} if bt is None else {"baseline_cv": round(bt.cv, 4)}),
+                    **extra,
                 )
 
 
@@ -379,8 +389,9 @@ def merge_payloads(old: dict | None, new: dict) -> dict:
     return {"meta": nm, "records": keep + list(new["records"])}
 
 
-def write_results(ctx: Context, path: Path | None = None, meta: dict | None = None, *, merge: bool = True,
-                  finalize=None) -> Path:
+def write_results(
+    ctx: Context, path: Path | None = None, meta: dict | None = None, *, merge: bool = True, finalize=None
+) -> Path:
     """Write ``{"meta": ..., "records": [...]}``; returns the path.
 
     ``merge``: an existing file of the same method and GPU keeps the records of suites this run did

@@ -71,13 +71,13 @@ def _elt(dtype) -> int:
 def _fill(ctx: Context, t: torch.Tensor, scale: torch.Tensor | None, g, chunk: int = 512) -> None:
     """Random normal contents, block by block (FP8: quantized by the SPEC 9 rule into ``t`` and ``scale``)."""
     for i in range(0, t.shape[0], chunk):
-        x = torch.randn(t[i:i + chunk].shape, generator=g, device=ctx.device, dtype=torch.float32)
+        x = torch.randn(t[i : i + chunk].shape, generator=g, device=ctx.device, dtype=torch.float32)
         if scale is None:
-            t[i:i + chunk] = x
+            t[i : i + chunk] = x
         else:
             values, s = quantize(x)
-            t[i:i + chunk] = values
-            scale[i:i + chunk] = s
+            t[i : i + chunk] = values
+            scale[i : i + chunk] = s
 
 
 class GridProblem:
@@ -108,27 +108,53 @@ class GridProblem:
         self.sets = []
         for _ in range(4 if ctx.cuda else 2):
             bt = torch.randperm(self.num_blocks, generator=g, device=dev)[:need].view(batch, m).to(torch.int32)
-            self.sets.append({
-                "q": rnd(n, s.hq, s.d), "key": rnd(n, s.hkv, s.d), "value": rnd(n, s.hkv, s.d),
-                "index_q": rnd(n, s.hkv, s.di), "index_k": rnd(n, s.di), "block_table": bt,
-                "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=dev),
-            })
+            self.sets.append(
+                {
+                    "q": rnd(n, s.hq, s.d),
+                    "key": rnd(n, s.hkv, s.d),
+                    "value": rnd(n, s.hkv, s.d),
+                    "index_q": rnd(n, s.hkv, s.di),
+                    "index_k": rnd(n, s.di),
+                    "block_table": bt,
+                    "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=dev),
+                }
+            )
         self.plans = [
-            mm3lab.MSADecodePlan(self.cache.k_cache, self.cache.v_cache, self.index_cache, batch=batch, max_blocks=m,
-                                 num_q_heads=s.hq, decode_query_len=q_len, topk=s.topk, query_dtype=qdt,
-                                 **self.scales)
+            mm3lab.MSADecodePlan(
+                self.cache.k_cache,
+                self.cache.v_cache,
+                self.index_cache,
+                batch=batch,
+                max_blocks=m,
+                num_q_heads=s.hq,
+                decode_query_len=q_len,
+                topk=s.topk,
+                query_dtype=qdt,
+                **self.scales,
+            )
             for _ in self.sets
         ]
 
     def args(self, st) -> tuple:
-        return (st["q"], st["key"], st["value"], st["index_q"], st["index_k"], self.cache.k_cache,
-                self.cache.v_cache, self.index_cache, st["block_table"], st["seq_lens"])
+        return (
+            st["q"],
+            st["key"],
+            st["value"],
+            st["index_q"],
+            st["index_k"],
+            self.cache.k_cache,
+            self.cache.v_cache,
+            self.index_cache,
+            st["block_table"],
+            st["seq_lens"],
+        )
 
     def step_fns(self) -> list:
-        return [lambda p=p, st=st: p.run(*self.args(st), **self.scales) for p, st in zip(self.plans, self.sets)]
+        pairs = zip(self.plans, self.sets, strict=False)
+        return [lambda p=p, st=st: p.run(*self.args(st), **self.scales) for p, st in pairs]
 
     def stage_fns(self) -> dict:
-        stages = [p.stages(*self.args(st), **self.scales) for p, st in zip(self.plans, self.sets)]
+        stages = [p.stages(*self.args(st), **self.scales) for p, st in zip(self.plans, self.sets, strict=False)]
         return {name: [st[name] for st in stages] for name in STAGES}
 
     # bytes each launch reads (and the step's inserts write: negligible)
@@ -168,15 +194,23 @@ class DenseProblem:
         s = ctx.shapes
         n = dense_sets(ctx, batch, context)
         g = torch.Generator(device=ctx.device).manual_seed(seed)
-        self.kv = [tuple(torch.randn(batch, s.hkv, context, s.d, generator=g, device=ctx.device, dtype=s.dtype)
-                         for _ in range(2)) for _ in range(n)]
-        self.q = {ql: [torch.randn(batch, s.hq, ql, s.d, generator=g, device=ctx.device, dtype=s.dtype)
-                       for _ in range(n)] for ql in q_lens}
+        self.kv = [
+            tuple(
+                torch.randn(batch, s.hkv, context, s.d, generator=g, device=ctx.device, dtype=s.dtype) for _ in range(2)
+            )
+            for _ in range(n)
+        ]
+        self.q = {
+            ql: [torch.randn(batch, s.hq, ql, s.d, generator=g, device=ctx.device, dtype=s.dtype) for _ in range(n)]
+            for ql in q_lens
+        }
 
     def fns(self, q_len: int) -> list:
         qs = self.q[q_len]
-        return [lambda i=i: torch.nn.functional.scaled_dot_product_attention(qs[i], *self.kv[i], enable_gqa=True)
-                for i in range(len(self.kv))]
+        return [
+            lambda i=i: torch.nn.functional.scaled_dot_product_attention(qs[i], *self.kv[i], enable_gqa=True)
+            for i in range(len(self.kv))
+        ]
 
 
 def _time(ctx: Context, fns) -> Timing | None:
@@ -207,9 +241,19 @@ def _free(ctx: Context) -> None:
 
 def _shape(ctx: Context, batch: int, context: int, q_len: int, dtype: str, stage: str | None) -> dict:
     s = ctx.shapes
-    shape = {"batch": batch, "context": context, "q_len": q_len, "dtype": dtype, "index_dtype": dtype,
-             "kv_dtype": dtype, "topk": s.topk, "q_heads": s.hq, "kv_heads": s.hkv, "head_dim": s.d,
-             "index_dim": s.di}
+    shape = {
+        "batch": batch,
+        "context": context,
+        "q_len": q_len,
+        "dtype": dtype,
+        "index_dtype": dtype,
+        "kv_dtype": dtype,
+        "topk": s.topk,
+        "q_heads": s.hq,
+        "kv_heads": s.hkv,
+        "head_dim": s.d,
+        "index_dim": s.di,
+    }
     if stage is not None:
         shape["stage"] = stage
     return shape
@@ -218,9 +262,18 @@ def _shape(ctx: Context, batch: int, context: int, q_len: int, dtype: str, stage
 def _record(ctx, name, shape, t: Timing | None, dense: Timing | None, nbytes, fallback) -> None:
     if t is None:
         return
-    ctx.add(name, shape, t.ms, None if dense is None else "dense_sdpa", None if dense is None else dense.ms, nbytes,
-            **t.fields(), validation=None if t.mode == "graph" else False, fallback=fallback,
-            **({} if dense is None else {"baseline_cv": round(dense.cv, 4)}))
+    ctx.add(
+        name,
+        shape,
+        t.ms,
+        None if dense is None else "dense_sdpa",
+        None if dense is None else dense.ms,
+        nbytes,
+        **t.fields(),
+        validation=None if t.mode == "graph" else False,
+        fallback=fallback,
+        **({} if dense is None else {"baseline_cv": round(dense.cv, 4)}),
+    )
 
 
 def _run_cell(ctx: Context, batch: int, context: int, q_lens) -> None:
@@ -248,18 +301,47 @@ def _run_cell(ctx: Context, batch: int, context: int, q_lens) -> None:
             base = dense.get(ql)
             if p.plans[0].uses_kernels:
                 stage_fns = p.stage_fns()
-                _record(ctx, "indexer_decode_grid", _shape(ctx, batch, context, ql, dtype, None),
-                        _time(ctx, stage_fns["indexer_scores"]), base, p.indexer_bytes(), fallback)
-                _record(ctx, "msa_decode_grid", _shape(ctx, batch, context, ql, dtype, "topk_block_table"),
-                        _time(ctx, stage_fns["topk_block_table"]), base, p.table_bytes(), fallback)
-                _record(ctx, "msa_decode_grid", _shape(ctx, batch, context, ql, dtype, "attention"),
-                        _time(ctx, stage_fns["attention"]), base, p.attention_bytes(), fallback)
+                _record(
+                    ctx,
+                    "indexer_decode_grid",
+                    _shape(ctx, batch, context, ql, dtype, None),
+                    _time(ctx, stage_fns["indexer_scores"]),
+                    base,
+                    p.indexer_bytes(),
+                    fallback,
+                )
+                _record(
+                    ctx,
+                    "msa_decode_grid",
+                    _shape(ctx, batch, context, ql, dtype, "topk_block_table"),
+                    _time(ctx, stage_fns["topk_block_table"]),
+                    base,
+                    p.table_bytes(),
+                    fallback,
+                )
+                _record(
+                    ctx,
+                    "msa_decode_grid",
+                    _shape(ctx, batch, context, ql, dtype, "attention"),
+                    _time(ctx, stage_fns["attention"]),
+                    base,
+                    p.attention_bytes(),
+                    fallback,
+                )
             elif "fp8 grid: stages" not in " ".join(ctx.notes):
-                ctx.notes.append(f"fp8 grid: stages not timed on the {mm3lab.get_backend()} backend (no separate "
-                                 "launches); the whole step only")
-            _record(ctx, "msa_decode_grid", _shape(ctx, batch, context, ql, dtype, "step"),
-                    _time(ctx, p.step_fns()), base,
-                    p.indexer_bytes() + p.attention_bytes() + p.table_bytes(), fallback)
+                ctx.notes.append(
+                    f"fp8 grid: stages not timed on the {mm3lab.get_backend()} backend (no separate "
+                    "launches); the whole step only"
+                )
+            _record(
+                ctx,
+                "msa_decode_grid",
+                _shape(ctx, batch, context, ql, dtype, "step"),
+                _time(ctx, p.step_fns()),
+                base,
+                p.indexer_bytes() + p.attention_bytes() + p.table_bytes(),
+                fallback,
+            )
             del p, outs
             _free(ctx)
 
@@ -274,8 +356,9 @@ def run_fp8_grid(ctx: Context) -> None:
     for i, (batch, context) in enumerate(cells):
         if time.time() - started > TIME_CAP_S or ctx.out_of_time(f"fp8 grid b{batch} c{context}"):
             rest = ", ".join(f"b{b} c{c // K}K" for b, c in cells[i:])
-            ctx.notes.append(f"fp8 grid: time cap {TIME_CAP_S:.0f} s reached after {i} of {len(cells)} cells; "
-                             f"skipped {rest}")
+            ctx.notes.append(
+                f"fp8 grid: time cap {TIME_CAP_S:.0f} s reached after {i} of {len(cells)} cells; skipped {rest}"
+            )
             break
         print(f"  fp8 grid b{batch} c{context} ({time.time() - started:.0f}s)", file=sys.stderr, flush=True)
         try:

@@ -71,13 +71,25 @@ def prefill_problem(ctx: Context, kind: str, chunk: int, context: int, seed: int
     scores = selection_scores(kind, chunk, context, hkv=s.hkv, seed=seed, device=dev)
     topk_idx = scores.topk(min(s.topk, nblocks), dim=-1).indices.to(torch.int32).contiguous()
     with mm3lab.validation(False):
-        sbt, sctx = mm3lab.build_sparse_block_table_prefill(topk_idx, block_table, req, pos,
-                                                           block_page_stride=cache.block_page_stride)
+        sbt, sctx = mm3lab.build_sparse_block_table_prefill(
+            topk_idx, block_table, req, pos, block_page_stride=cache.block_page_stride
+        )
     q_bytes = 2 * chunk * s.hq * s.d * _elt(dt)  # q and out
     nq = num_sets(q_bytes + 2 * context * s.hkv * s.d * _elt(dt)) if ctx.cuda else 2
     qs = [torch.randn(chunk, s.hq, s.d, generator=g, device=dev, dtype=dt) for _ in range(nq)]
-    return {"cache": cache, "block_table": block_table, "key": key, "value": value, "pos": pos, "req": req,
-            "topk_idx": topk_idx, "sparse_bt": sbt, "sparse_ctx": sctx, "qs": qs, "seq_lens": [context]}
+    return {
+        "cache": cache,
+        "block_table": block_table,
+        "key": key,
+        "value": value,
+        "pos": pos,
+        "req": req,
+        "topk_idx": topk_idx,
+        "sparse_bt": sbt,
+        "sparse_ctx": sctx,
+        "qs": qs,
+        "seq_lens": [context],
+    }
 
 
 def tile_density(topk_idx: torch.Tensor, pos: torch.Tensor, tile: int = SPARSE_BLOCK_SIZE) -> float:
@@ -101,7 +113,10 @@ def _dense_whole(ctx: Context, context: int) -> dict:
     qd = torch.randn(1, s.hq, context, s.d, generator=g, device=ctx.device, dtype=s.dtype)
     kd = torch.randn(1, s.hkv, context, s.d, generator=g, device=ctx.device, dtype=s.dtype)
     vd = torch.randn_like(kd)
-    fn = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+
+    def fn():
+        return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+
     return _theirs(ctx, [fn], f"dense_sdpa causal {context}")
 
 
@@ -124,7 +139,7 @@ def _prefill_one(ctx: Context, kind: str, chunk: int, context: int, dense: dict)
     from mm3lab.interop import flex
 
     s = _shapes(ctx)
-    group, scale = s.hq // s.hkv, s.d ** -0.5
+    group, scale = s.hq // s.hkv, s.d**-0.5
     p = prefill_problem(ctx, kind, chunk, context)
     kc, vc, sbt, sctx = p["cache"].k_cache, p["cache"].v_cache, p["sparse_bt"], p["sparse_ctx"]
     share = float(tiled.neighbour_share(sbt, sctx))
@@ -159,8 +174,10 @@ def _prefill_one(ctx: Context, kind: str, chunk: int, context: int, dense: dict)
         if flex_out is not None:
             err = relative_error(flex_out, out)
             theirs["flex_attention"] = _theirs(ctx, ffns, f"flex_attention {kind}")
-            extra["flex_attention"] = {"baseline_rel_error": round(err, 5),
-                                       "mask_build_ms": None if mask_t is None else round(mask_t.ms, 6)}
+            extra["flex_attention"] = {
+                "baseline_rel_error": round(err, 5),
+                "mask_build_ms": None if mask_t is None else round(mask_t.ms, 6),
+            }
             if err > 2e-2:
                 ctx.notes.append(f"attention_prefill: flex_attention {kind} differs (relative error {err:.3g})")
     theirs["dense_sdpa"] = dense
@@ -168,9 +185,17 @@ def _prefill_one(ctx: Context, kind: str, chunk: int, context: int, dense: dict)
     useful = 4 * attended * s.d
     whole = 4 * s.hq * s.d * context * (context + 1) / 2  # causal SDPA over the whole context
     chunk_dense = 4 * s.hq * s.d * sum(range(context - chunk + 1, context + 1))  # the chunk's rows, dense
-    shape = {"chunk": chunk, "context": context, "selection": kind, "q_heads": s.hq, "kv_heads": s.hkv,
-             "head_dim": s.d, "topk": s.topk, "dtype": s.dtype_name,
-             "tile_density": round(tile_density(p["topk_idx"], p["pos"]), 3)}
+    shape = {
+        "chunk": chunk,
+        "context": context,
+        "selection": kind,
+        "q_heads": s.hq,
+        "kv_heads": s.hkv,
+        "head_dim": s.d,
+        "topk": s.topk,
+        "dtype": s.dtype_name,
+        "tile_density": round(tile_density(p["topk_idx"], p["pos"]), 3),
+    }
     common = {"algorithm": algorithm, "neighbour_share": round(share, 3), "fallback": fallback}
     for (mode, validation), t in ours.items():
         if t is None:
@@ -182,14 +207,30 @@ def _prefill_one(ctx: Context, kind: str, chunk: int, context: int, dense: dict)
                 continue
             if base == "dense_sdpa":
                 base_ms, base_rate = bt.ms * chunk_dense / whole, whole / (bt.ms * 1e-3) / 1e12
-                more = {"dense_whole_ms": round(bt.ms, 6), "dense_scope": "causal SDPA over the whole context, "
-                        "baseline_ms scaled to the chunk's rows by FLOPs"}
+                more = {
+                    "dense_whole_ms": round(bt.ms, 6),
+                    "dense_scope": "causal SDPA over the whole context, "
+                    "baseline_ms scaled to the chunk's rows by FLOPs",
+                }
             else:
                 base_ms, base_rate, more = bt.ms, useful / (bt.ms * 1e-3) / 1e12, {}
-            ctx.add("attention_prefill", shape, t.ms, base, base_ms, None, **t.fields(), validation=validation,
-                    baseline_cv=round(bt.cv, 4), attended_TFLOPs=round(tflops, 3),
-                    baseline_TFLOPs=round(base_rate, 3), flops_ratio=round(tflops / base_rate, 3),
-                    **common, **extra.get(base, {}), **more)
+            ctx.add(
+                "attention_prefill",
+                shape,
+                t.ms,
+                base,
+                base_ms,
+                None,
+                **t.fields(),
+                validation=validation,
+                baseline_cv=round(bt.cv, 4),
+                attended_TFLOPs=round(tflops, 3),
+                baseline_TFLOPs=round(base_rate, 3),
+                flops_ratio=round(tflops / base_rate, 3),
+                **common,
+                **extra.get(base, {}),
+                **more,
+            )
 
 
 def run_spec_decode(ctx: Context) -> None:
@@ -211,13 +252,17 @@ def run_spec_decode(ctx: Context) -> None:
 
 def _spec_one(ctx: Context, p: DecodeProblem, q_len: int, selection: str) -> None:
     s = _shapes(ctx)
-    scale = s.d ** -0.5
+    scale = s.d**-0.5
     kc, vc = p.cache.k_cache, p.cache.v_cache
     sets = p.new_sets(ctx, q_len=q_len, selection=selection)
 
     def calls(algorithm):
-        return [lambda st=st: mm3lab.sparse_attention(st["q"], kc, vc, st["sparse_bt"], st["sparse_ctx"], scale,
-                                                      algorithm=algorithm) for st in sets]
+        return [
+            lambda st=st: mm3lab.sparse_attention(
+                st["q"], kc, vc, st["sparse_bt"], st["sparse_ctx"], scale, algorithm=algorithm
+            )
+            for st in sets
+        ]
 
     tiled_fns, rows_fns = calls("tiled"), calls("rows")
     with mm3lab.validation(False):
@@ -228,12 +273,30 @@ def _spec_one(ctx: Context, p: DecodeProblem, q_len: int, selection: str) -> Non
             ours[("eager", False)] = ours.pop(("eager", None))
         theirs = {"per_token_kernel": _theirs(ctx, rows_fns, f"spec rows b{p.batch} q{q_len} {selection}")}
     n_rows = p.batch * q_len
-    shape = {"batch": p.batch, "context": p.context, "q_len": q_len, "selection": selection, "q_heads": s.hq,
-             "kv_heads": s.hkv, "head_dim": s.d, "topk": s.topk, "dtype": s.dtype_name}
+    shape = {
+        "batch": p.batch,
+        "context": p.context,
+        "q_len": q_len,
+        "selection": selection,
+        "q_heads": s.hq,
+        "kv_heads": s.hkv,
+        "head_dim": s.d,
+        "topk": s.topk,
+        "dtype": s.dtype_name,
+    }
     share = float(tiled.neighbour_share(sets[0]["sparse_bt"], sets[0]["sparse_ctx"]))
-    ctx.compare("spec_decode_attention", shape, ours, theirs, p.attended_bytes_of(sets[0]), fallback,
-                algorithm="tiled", default_algorithm=choose_algorithm(n_rows, share=share),
-                neighbour_share=round(share, 3), rel_err_vs_rows=round(err, 6))
+    ctx.compare(
+        "spec_decode_attention",
+        shape,
+        ours,
+        theirs,
+        p.attended_bytes_of(sets[0]),
+        fallback,
+        algorithm="tiled",
+        default_algorithm=choose_algorithm(n_rows, share=share),
+        neighbour_share=round(share, 3),
+        rel_err_vs_rows=round(err, 6),
+    )
 
 
 __all__ = ["PREFILL_ORDER", "prefill_problem", "run_prefill", "run_spec_decode", "tile_density"]

@@ -67,23 +67,49 @@ class Shapes:
 def model_shapes(quick: bool) -> Shapes:
     stage = [(b, c) for c in (K128, 32 * 1024, 8 * 1024) for b in (1, 16, 64)]  # 128K first (the budget)
     return Shapes(
-        hq=NUM_Q_HEADS, hkv=NUM_KV_HEADS, d=HEAD_DIM, di=INDEX_HEAD_DIM, topk=16, dtype=torch.bfloat16,
-        attention_batches=(16,) if quick else (1, 16, 64), decode_context=K128,
-        prefill_context=32 * 1024, prefill_chunk=1024 if quick else 4096,
-        table_batches=(64,) if quick else (1, 16, 64), indexer_batches=(16,) if quick else (1, 16, 64),
-        topk_rows=(64,) if quick else (64, 1024), topk_width=8192,
-        insert_tokens=(16,) if quick else (16, 4096), msa_batches=(16,) if quick else (1, 16, 64),
+        hq=NUM_Q_HEADS,
+        hkv=NUM_KV_HEADS,
+        d=HEAD_DIM,
+        di=INDEX_HEAD_DIM,
+        topk=16,
+        dtype=torch.bfloat16,
+        attention_batches=(16,) if quick else (1, 16, 64),
+        decode_context=K128,
+        prefill_context=32 * 1024,
+        prefill_chunk=1024 if quick else 4096,
+        table_batches=(64,) if quick else (1, 16, 64),
+        indexer_batches=(16,) if quick else (1, 16, 64),
+        topk_rows=(64,) if quick else (64, 1024),
+        topk_width=8192,
+        insert_tokens=(16,) if quick else (16, 4096),
+        msa_batches=(16,) if quick else (1, 16, 64),
         stage_shapes=((16, K128),) if quick else tuple(stage),
-        spec_batches=(16,) if quick else (16, 64), spec_q_lens=(4,) if quick else (2, 4, 8),
+        spec_batches=(16,) if quick else (16, 64),
+        spec_q_lens=(4,) if quick else (2, 4, 8),
     )
 
 
 def dry_run_shapes() -> Shapes:
     return Shapes(
-        hq=4, hkv=2, d=16, di=16, topk=2, dtype=torch.float32,
-        attention_batches=(2,), decode_context=300, prefill_context=512, prefill_chunk=128,
-        table_batches=(2,), indexer_batches=(2,), topk_rows=(4,), topk_width=64, insert_tokens=(4,),
-        msa_batches=(2,), stage_shapes=((2, 300),), spec_batches=(2,), spec_q_lens=(2,),
+        hq=4,
+        hkv=2,
+        d=16,
+        di=16,
+        topk=2,
+        dtype=torch.float32,
+        attention_batches=(2,),
+        decode_context=300,
+        prefill_context=512,
+        prefill_chunk=128,
+        table_batches=(2,),
+        indexer_batches=(2,),
+        topk_rows=(4,),
+        topk_width=64,
+        insert_tokens=(4,),
+        msa_batches=(2,),
+        stage_shapes=((2, 300),),
+        spec_batches=(2,),
+        spec_q_lens=(2,),
     )
 
 
@@ -152,8 +178,9 @@ class DecodeProblem:
     several input sets (each its own random block table over the whole cache, queries and
     selection): calls rotate over the sets, so consecutive calls read different blocks."""
 
-    def __init__(self, ctx: Context, batch: int, context: int, *, layout: str = "dense", seed: int = 0,
-                 index: bool = True):
+    def __init__(
+        self, ctx: Context, batch: int, context: int, *, layout: str = "dense", seed: int = 0, index: bool = True
+    ):
         s = _shapes(ctx)
         dev, dt = ctx.device, s.dtype
         self.batch, self.context, self.s = batch, context, s
@@ -194,21 +221,39 @@ class DecodeProblem:
         scores.scatter_(2, (pos // SPARSE_BLOCK_SIZE).view(1, -1, 1).expand(s.hkv, -1, 1), 2.0)  # the local block
         topk_idx = scores.topk(min(s.topk, m), dim=-1).indices.to(torch.int32)
         with mm3lab.validation(False):
-            sbt, sctx = mm3lab.build_sparse_block_table_decode(topk_idx, bt, seq_lens, decode_query_len=q_len,
-                                                               block_page_stride=self.stride)
+            sbt, sctx = mm3lab.build_sparse_block_table_decode(
+                topk_idx, bt, seq_lens, decode_query_len=q_len, block_page_stride=self.stride
+            )
 
         def rnd(*shape):
             return torch.randn(*shape, generator=g, device=dev, dtype=dt)
 
         return {
-            "block_table": bt, "seq_lens": seq_lens, "topk_idx": topk_idx, "sparse_bt": sbt, "sparse_ctx": sctx,
-            "q": rnd(rows, s.hq, s.d), "key": rnd(b, s.hkv, s.d), "value": rnd(b, s.hkv, s.d),
-            "index_q": rnd(b, s.hkv, s.di), "index_k": rnd(b, s.di),
+            "block_table": bt,
+            "seq_lens": seq_lens,
+            "topk_idx": topk_idx,
+            "sparse_bt": sbt,
+            "sparse_ctx": sctx,
+            "q": rnd(rows, s.hq, s.d),
+            "key": rnd(b, s.hkv, s.d),
+            "value": rnd(b, s.hkv, s.d),
+            "index_q": rnd(b, s.hkv, s.di),
+            "index_k": rnd(b, s.di),
         }
 
     def msa_args(self, st) -> tuple:
-        return (st["q"], st["key"], st["value"], st["index_q"], st["index_k"], self.cache.k_cache,
-                self.cache.v_cache, self.index_cache, st["block_table"], st["seq_lens"])
+        return (
+            st["q"],
+            st["key"],
+            st["value"],
+            st["index_q"],
+            st["index_k"],
+            self.cache.k_cache,
+            self.cache.v_cache,
+            self.index_cache,
+            st["block_table"],
+            st["seq_lens"],
+        )
 
     def attended_bytes(self) -> int:
         return self.attended_bytes_of(self.sets[0])
@@ -228,8 +273,9 @@ class DenseKV:
         g = torch.Generator(device=ctx.device).manual_seed(seed)
         n = num_sets(bytes_per_set) if ctx.cuda else 1
         self.sets = [
-            tuple(torch.randn(batch, s.hkv, context, s.d, generator=g, device=ctx.device, dtype=s.dtype)
-                  for _ in range(2))
+            tuple(
+                torch.randn(batch, s.hkv, context, s.d, generator=g, device=ctx.device, dtype=s.dtype) for _ in range(2)
+            )
             for _ in range(n)
         ]
         self.bytes = bytes_per_set
@@ -271,8 +317,14 @@ def _block_mask_from_selection(selected: torch.Tensor, group: int, q_len: int, k
     sel = selected.repeat_interleave(group, dim=1)  # [B, Hq, QB, M]
     kv_num = sel.sum(-1).to(torch.int32)
     kv_idx = torch.argsort(sel.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=SPARSE_BLOCK_SIZE, mask_mod=mask_mod,
-                                    seq_lengths=(q_len, kv_len), compute_q_blocks=False)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        BLOCK_SIZE=SPARSE_BLOCK_SIZE,
+        mask_mod=mask_mod,
+        seq_lengths=(q_len, kv_len),
+        compute_q_blocks=False,
+    )
 
 
 def flex_causal(seq_lens: torch.Tensor):
@@ -302,8 +354,16 @@ def flex_selection_mask_mod(topk_idx: torch.Tensor, seq_lens: torch.Tensor, grou
     return selected
 
 
-def check_flex_decode(out: torch.Tensor, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, topk_idx, seq_lens,
-                      scale: float, rows: int = 2) -> float:
+def check_flex_decode(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kd: torch.Tensor,
+    vd: torch.Tensor,
+    topk_idx,
+    seq_lens,
+    scale: float,
+    rows: int = 2,
+) -> float:
     """Relative error of FlexAttention's decode output against masked softmax over the selected tokens
     (the first ``rows`` requests, float32)."""
     b, hkv, s_len, d = kd.shape
@@ -343,11 +403,15 @@ def run_launch_overhead(ctx: Context) -> dict:
     if not ctx.cuda:
         return {}
     x = torch.empty(1, device="cuda")
-    fn = lambda: _empty_kernel[(1,)](x)
+
+    def fn():
+        return _empty_kernel[(1,)](x)
+
     eager, graph = ctx.eager(fn, calls=200), ctx.graph(fn, calls=200)
     for t in (eager, graph):
-        ctx.add("launch_empty_triton", {"grid": 1}, t.ms, None, None, None, **t.fields(), validation=None,
-                fallback=None)
+        ctx.add(
+            "launch_empty_triton", {"grid": 1}, t.ms, None, None, None, **t.fields(), validation=None, fallback=None
+        )
     return {"eager": eager.ms, "graph": graph.ms}
 
 
@@ -362,11 +426,13 @@ def run_attention_decode(ctx: Context) -> None:
 
 def _attention_decode_one(ctx, batch) -> None:
     s = _shapes(ctx)
-    context, scale, group = s.decode_context, s.d ** -0.5, s.hq // s.hkv
+    context, scale, group = s.decode_context, s.d**-0.5, s.hq // s.hkv
     p = DecodeProblem(ctx, batch, context, index=False)
     kc, vc = p.cache.k_cache, p.cache.v_cache
-    fns = [lambda st=st: mm3lab.sparse_attention(st["q"], kc, vc, st["sparse_bt"], st["sparse_ctx"], scale)
-           for st in p.sets]
+    fns = [
+        lambda st=st: mm3lab.sparse_attention(st["q"], kc, vc, st["sparse_bt"], st["sparse_ctx"], scale)
+        for st in p.sets
+    ]
     st0 = p.sets[0]
     with mm3lab.validation(False):
         out = fns[0]()
@@ -375,14 +441,17 @@ def _attention_decode_one(ctx, batch) -> None:
     err = relative_error(out.float(), ref.float())
     assert err < 2e-2, f"sparse_attention differs from gather + SDPA: relative error {err:.3e}"
     ours = _ours(ctx, fns, f"sparse_attention b{batch}")
-    gather = [lambda st=st: baselines.naive_sparse_attention(st["q"], kc, vc, st["sparse_bt"], st["sparse_ctx"],
-                                                             scale) for st in p.sets]
+    gather = [
+        lambda st=st: baselines.naive_sparse_attention(st["q"], kc, vc, st["sparse_bt"], st["sparse_ctx"], scale)
+        for st in p.sets
+    ]
     theirs = {"gather_sdpa": _theirs(ctx, gather, f"gather_sdpa b{batch}")}
     dense = DenseKV(ctx, batch, context)
     n = max(len(dense.sets), len(p.sets))
     qd = [st["q"].view(batch, s.hq, 1, s.d) for st in p.sets]
-    dfns = [lambda i=i: baselines.dense_sdpa_decode(qd[i % len(qd)], *dense.sets[i % len(dense.sets)])
-            for i in range(n)]
+    dfns = [
+        lambda i=i: baselines.dense_sdpa_decode(qd[i % len(qd)], *dense.sets[i % len(dense.sets)]) for i in range(n)
+    ]
     theirs["dense_sdpa"] = _theirs(ctx, dfns, f"dense_sdpa b{batch}")
     flex = _flex_fn(ctx)
     causal = flex_causal(st0["seq_lens"])  # every set has the same lengths: one compile per shape
@@ -390,22 +459,53 @@ def _attention_decode_one(ctx, batch) -> None:
     def mask_mod(st):
         return causal if ctx.cuda else flex_selection_mask_mod(st["topk_idx"], st["seq_lens"], group, p.m)
 
-    masks = _try(ctx, f"flex block mask b{batch}", lambda: [
-        flex_decode_inputs(st["topk_idx"], mask_mod(st), group, p.m, context) for st in p.sets])
+    masks = _try(
+        ctx,
+        f"flex block mask b{batch}",
+        lambda: [flex_decode_inputs(st["topk_idx"], mask_mod(st), group, p.m, context) for st in p.sets],
+    )
     if masks is not None:
-        ffns = [lambda i=i: flex(qd[i % len(qd)], *dense.sets[i % len(dense.sets)],
-                                 block_mask=masks[i % len(masks)], scale=scale, enable_gqa=True)
-                for i in range(n)]
-        flex_err = _try(ctx, f"flex_attention b{batch} check", lambda: check_flex_decode(
-            ffns[0](), qd[0].view(batch, s.hq, s.d), *dense.sets[0], st0["topk_idx"], st0["seq_lens"], scale))
+        ffns = [
+            lambda i=i: flex(
+                qd[i % len(qd)],
+                *dense.sets[i % len(dense.sets)],
+                block_mask=masks[i % len(masks)],
+                scale=scale,
+                enable_gqa=True,
+            )
+            for i in range(n)
+        ]
+        flex_err = _try(
+            ctx,
+            f"flex_attention b{batch} check",
+            lambda: check_flex_decode(
+                ffns[0](), qd[0].view(batch, s.hq, s.d), *dense.sets[0], st0["topk_idx"], st0["seq_lens"], scale
+            ),
+        )
         if flex_err is not None and flex_err < 2e-2:
             theirs["flex_attention"] = _theirs(ctx, ffns, f"flex_attention b{batch}")
         else:
             ctx.notes.append(f"flex_attention b{batch}: output check failed (relative error {flex_err})")
-    shape = {"batch": batch, "context": context, "q_heads": s.hq, "kv_heads": s.hkv, "head_dim": s.d,
-             "topk": s.topk, "dtype": s.dtype_name, "layout": "dense"}
-    ctx.compare("sparse_attention", shape, ours, theirs, p.attended_bytes(), fallback,
-                rel_err_vs_gather=round(err, 6), dense_bytes=dense.bytes)
+    shape = {
+        "batch": batch,
+        "context": context,
+        "q_heads": s.hq,
+        "kv_heads": s.hkv,
+        "head_dim": s.d,
+        "topk": s.topk,
+        "dtype": s.dtype_name,
+        "layout": "dense",
+    }
+    ctx.compare(
+        "sparse_attention",
+        shape,
+        ours,
+        theirs,
+        p.attended_bytes(),
+        fallback,
+        rel_err_vs_gather=round(err, 6),
+        dense_bytes=dense.bytes,
+    )
     _free(ctx)
 
 
@@ -423,11 +523,18 @@ def _block_table_one(ctx, batch) -> None:
     s = _shapes(ctx)
     p = DecodeProblem(ctx, batch, s.decode_context, index=False)
     outs = [(torch.empty_like(st["sparse_bt"]), torch.empty_like(st["sparse_ctx"])) for st in p.sets]
-    fns = [lambda st=st, o=o: mm3lab.build_sparse_block_table_decode(
-        st["topk_idx"], st["block_table"], st["seq_lens"], block_page_stride=p.stride, out=o)
-        for st, o in zip(p.sets, outs)]
-    ref = [lambda st=st: baselines.torch_block_table_decode(
-        st["topk_idx"], st["block_table"], st["seq_lens"], block_page_stride=p.stride) for st in p.sets]
+    fns = [
+        lambda st=st, o=o: mm3lab.build_sparse_block_table_decode(
+            st["topk_idx"], st["block_table"], st["seq_lens"], block_page_stride=p.stride, out=o
+        )
+        for st, o in zip(p.sets, outs, strict=False)
+    ]
+    ref = [
+        lambda st=st: baselines.torch_block_table_decode(
+            st["topk_idx"], st["block_table"], st["seq_lens"], block_page_stride=p.stride
+        )
+        for st in p.sets
+    ]
     with mm3lab.validation(False):
         got = fns[0]()
     fallback = fallback_reason()
@@ -455,18 +562,30 @@ def _indexer_decode_one(ctx, batch) -> None:
     s = _shapes(ctx)
     p = DecodeProblem(ctx, batch, s.decode_context)
     ic = p.index_cache
-    fns = [lambda st=st: mm3lab.index_topk_decode(st["index_q"], ic, st["block_table"], st["seq_lens"], s.topk)
-           for st in p.sets]
-    ref = [lambda st=st: baselines.torch_index_scores(st["index_q"], ic, st["block_table"], st["seq_lens"],
-                                                      p.m).topk(min(s.topk, p.m), dim=-1) for st in p.sets]
+    fns = [
+        lambda st=st: mm3lab.index_topk_decode(st["index_q"], ic, st["block_table"], st["seq_lens"], s.topk)
+        for st in p.sets
+    ]
+    ref = [
+        lambda st=st: baselines.torch_index_scores(st["index_q"], ic, st["block_table"], st["seq_lens"], p.m).topk(
+            min(s.topk, p.m), dim=-1
+        )
+        for st in p.sets
+    ]
     with mm3lab.validation(False):
         fns[0]()
     fallback = fallback_reason()
     ours = _ours(ctx, fns, f"indexer b{batch}")
     theirs = {"torch_ops": _theirs(ctx, ref, f"torch indexer b{batch}")}
     nbytes = batch * s.decode_context * s.di * _elt(s.dtype)
-    shape = {"batch": batch, "context": s.decode_context, "index_heads": s.hkv, "index_dim": s.di,
-             "topk": s.topk, "dtype": s.dtype_name}
+    shape = {
+        "batch": batch,
+        "context": s.decode_context,
+        "index_heads": s.hkv,
+        "index_dim": s.di,
+        "topk": s.topk,
+        "dtype": s.dtype_name,
+    }
     ctx.compare("indexer_decode", shape, ours, theirs, nbytes, fallback)
     _free(ctx)
 
@@ -488,8 +607,9 @@ def run_topk(ctx: Context) -> None:
         assert torch.equal(got.long(), ref[0]().indices), "topk_blocks differs from torch.topk"
         ours = _ours(ctx, fns, f"topk r{rows}")
         theirs = {"torch_topk": _theirs(ctx, ref, f"torch.topk r{rows}")}
-        ctx.compare("topk", {"rows": rows, "width": s.topk_width, "k": s.topk}, ours, theirs,
-                    rows * s.topk_width * 4, fallback)
+        ctx.compare(
+            "topk", {"rows": rows, "width": s.topk_width, "k": s.topk}, ours, theirs, rows * s.topk_width * 4, fallback
+        )
     _free(ctx)
 
 
@@ -504,9 +624,13 @@ def run_index_cache(ctx: Context) -> None:
     for tokens in s.insert_tokens:
         if ctx.out_of_time(f"tokens {tokens}"):
             continue
-        sets = [(torch.randn(tokens, s.di, generator=g, device=dev, dtype=dt),
-                 torch.randperm(num_blocks * SPARSE_BLOCK_SIZE, generator=g, device=dev)[:tokens])
-                for _ in range(4 if ctx.cuda else 2)]
+        sets = [
+            (
+                torch.randn(tokens, s.di, generator=g, device=dev, dtype=dt),
+                torch.randperm(num_blocks * SPARSE_BLOCK_SIZE, generator=g, device=dev)[:tokens],
+            )
+            for _ in range(4 if ctx.cuda else 2)
+        ]
         fns = [lambda k=k, sl=sl: mm3lab.insert_index_cache(k, cache, sl) for k, sl in sets]
         ref = [lambda k=k, sl=sl: flat.index_copy_(0, sl, k) for k, sl in sets]
         with mm3lab.validation(False):
@@ -514,8 +638,14 @@ def run_index_cache(ctx: Context) -> None:
         fallback = fallback_reason()
         ours = _ours(ctx, fns, f"insert t{tokens}")
         theirs = {"torch_ops": _theirs(ctx, ref, f"index_copy t{tokens}")}
-        ctx.compare("index_cache_insert", {"tokens": tokens, "index_dim": s.di, "dtype": s.dtype_name}, ours,
-                    theirs, tokens * s.di * _elt(dt) * 2 + tokens * 8, fallback)
+        ctx.compare(
+            "index_cache_insert",
+            {"tokens": tokens, "index_dim": s.di, "dtype": s.dtype_name},
+            ours,
+            theirs,
+            tokens * s.di * _elt(dt) * 2 + tokens * 8,
+            fallback,
+        )
     _free(ctx)
 
 
@@ -527,17 +657,22 @@ def _gather_pipeline(p: DecodeProblem, scale: float):
     ic_flat = p.index_cache.view(-1, s.di)
 
     def step(st):
-        slots = (st["block_table"].long()[torch.arange(p.batch, device=kv_flat.device),
-                                           (st["seq_lens"].long() - 1) // SPARSE_BLOCK_SIZE]
-                 * SPARSE_BLOCK_SIZE + (st["seq_lens"].long() - 1) % SPARSE_BLOCK_SIZE)
+        slots = (
+            st["block_table"].long()[
+                torch.arange(p.batch, device=kv_flat.device), (st["seq_lens"].long() - 1) // SPARSE_BLOCK_SIZE
+            ]
+            * SPARSE_BLOCK_SIZE
+            + (st["seq_lens"].long() - 1) % SPARSE_BLOCK_SIZE
+        )
         ic_flat.index_copy_(0, slots, st["index_k"])
         blk, off = slots // SPARSE_BLOCK_SIZE, slots % SPARSE_BLOCK_SIZE
         kv_flat[blk, 0, off] = st["key"]
         kv_flat[blk, 1, off] = st["value"]
         scores = baselines.torch_index_scores(st["index_q"], p.index_cache, st["block_table"], st["seq_lens"], p.m)
         topk_idx = scores.topk(min(s.topk, p.m), dim=-1).indices.to(torch.int32)
-        sbt, sctx = baselines.torch_block_table_decode(topk_idx, st["block_table"], st["seq_lens"],
-                                                       block_page_stride=p.stride)
+        sbt, sctx = baselines.torch_block_table_decode(
+            topk_idx, st["block_table"], st["seq_lens"], block_page_stride=p.stride
+        )
         return baselines.naive_sparse_attention(st["q"], p.cache.k_cache, p.cache.v_cache, sbt, sctx, scale)
 
     return step
@@ -555,15 +690,16 @@ def run_msa_decode(ctx: Context) -> None:
 
 def _msa_decode_one(ctx, batch) -> None:
     s = _shapes(ctx)
-    context, scale = s.decode_context, s.d ** -0.5
+    context, scale = s.decode_context, s.d**-0.5
     p = DecodeProblem(ctx, batch, context)
     fns = [lambda st=st: mm3lab.msa_decode(*p.msa_args(st), topk=s.topk) for st in p.sets]
     with mm3lab.validation(False):
         want = fns[0]().clone()
     fallback = fallback_reason()
     ours = _ours(ctx, fns, f"msa_decode b{batch}")
-    plan = mm3lab.MSADecodePlan(p.cache.k_cache, p.cache.v_cache, p.index_cache, batch=batch, max_blocks=p.m,
-                                num_q_heads=s.hq, topk=s.topk)
+    plan = mm3lab.MSADecodePlan(
+        p.cache.k_cache, p.cache.v_cache, p.index_cache, batch=batch, max_blocks=p.m, num_q_heads=s.hq, topk=s.topk
+    )
     pfns = [lambda st=st: plan.run(*p.msa_args(st)) for st in p.sets]
     # the sets share the cache (each writes its new token into blocks another set may read): recompute the
     # one-shot output right before each comparison
@@ -572,32 +708,52 @@ def _msa_decode_one(ctx, batch) -> None:
     assert torch.equal(pfns[0](), want), "MSADecodePlan differs from msa_decode"
     plan_t = _ours(ctx, pfns, f"msa_decode plan b{batch}", graph=False)
     if ctx.cuda and plan.uses_kernels:
-        gplan = mm3lab.MSADecodePlan(p.cache.k_cache, p.cache.v_cache, p.index_cache, batch=batch,
-                                     max_blocks=p.m, num_q_heads=s.hq, topk=s.topk, graph=True)
+        gplan = mm3lab.MSADecodePlan(
+            p.cache.k_cache,
+            p.cache.v_cache,
+            p.index_cache,
+            batch=batch,
+            max_blocks=p.m,
+            num_q_heads=s.hq,
+            topk=s.topk,
+            graph=True,
+        )
         gfns = [lambda st=st: gplan.run(*p.msa_args(st)) for st in p.sets]
         with mm3lab.validation(False):
             got = gfns[0]().clone()
             want = fns[0]().clone()
             assert torch.equal(got, want), "MSADecodePlan(graph=True) differs from msa_decode"
-            plan_t[("graph", None)] = _try(ctx, f"plan graph b{batch}",
-                                           lambda: time_replay(lambda: [f() for f in gfns], calls=ctx.calls,
-                                                               samples=ctx.samples))
+            plan_t[("graph", None)] = _try(
+                ctx,
+                f"plan graph b{batch}",
+                lambda: time_replay(lambda: [f() for f in gfns], calls=ctx.calls, samples=ctx.samples),
+            )
         if plan_t[("graph", None)] is not None:  # the replay ran once per set: per call
             t = plan_t[("graph", None)]
             k = len(gfns)
-            plan_t[("graph", None)] = Timing(t.ms / k, t.cv, t.samples, "graph",
-                                             None if t.host_ms is None else t.host_ms / k)
+            plan_t[("graph", None)] = Timing(
+                t.ms / k, t.cv, t.samples, "graph", None if t.host_ms is None else t.host_ms / k
+            )
     step = _gather_pipeline(p, scale)
     theirs = {"gather_sdpa": _theirs(ctx, [lambda st=st: step(st) for st in p.sets], f"gather pipeline b{batch}")}
     dense = DenseKV(ctx, batch, context)
     qd = [st["q"].view(batch, s.hq, 1, s.d) for st in p.sets]
     n = max(len(dense.sets), len(qd))
-    dfns = [lambda i=i: baselines.dense_sdpa_decode(qd[i % len(qd)], *dense.sets[i % len(dense.sets)])
-            for i in range(n)]
+    dfns = [
+        lambda i=i: baselines.dense_sdpa_decode(qd[i % len(qd)], *dense.sets[i % len(dense.sets)]) for i in range(n)
+    ]
     theirs["dense_sdpa"] = _theirs(ctx, dfns, f"dense_sdpa b{batch}")
     nbytes = batch * (context * s.di * _elt(s.dtype)) + p.attended_bytes()
-    shape = {"batch": batch, "context": context, "dtype": s.dtype_name, "topk": s.topk, "q_heads": s.hq,
-             "kv_heads": s.hkv, "head_dim": s.d, "index_dim": s.di}
+    shape = {
+        "batch": batch,
+        "context": context,
+        "dtype": s.dtype_name,
+        "topk": s.topk,
+        "q_heads": s.hq,
+        "kv_heads": s.hkv,
+        "head_dim": s.d,
+        "index_dim": s.di,
+    }
     ctx.compare("msa_decode", shape, ours, theirs, nbytes, fallback)
     ctx.compare("msa_decode_plan", shape, plan_t, theirs, nbytes, fallback)
     _free(ctx)
@@ -605,8 +761,10 @@ def _msa_decode_one(ctx, batch) -> None:
 
 def _stage_times(ctx: Context, fns, label: str) -> dict:
     with mm3lab.validation(False):
-        return {"eager": _try(ctx, label + " eager", lambda: ctx.eager(fns)),
-                "graph": _try(ctx, label + " graph", lambda: ctx.graph(fns)) if ctx.cuda else None}
+        return {
+            "eager": _try(ctx, label + " eager", lambda: ctx.eager(fns)),
+            "graph": _try(ctx, label + " graph", lambda: ctx.graph(fns)) if ctx.cuda else None,
+        }
 
 
 STAGES = ("insert", "indexer_scores", "topk", "block_table", "topk_block_table", "attention")
@@ -626,11 +784,13 @@ def run_msa_decode_stages(ctx: Context) -> None:
 def _msa_decode_stages_one(ctx, batch, context) -> None:
     s = _shapes(ctx)
     p = DecodeProblem(ctx, batch, context)
-    plan = mm3lab.MSADecodePlan(p.cache.k_cache, p.cache.v_cache, p.index_cache, batch=batch, max_blocks=p.m,
-                                num_q_heads=s.hq, topk=s.topk)
+    plan = mm3lab.MSADecodePlan(
+        p.cache.k_cache, p.cache.v_cache, p.index_cache, batch=batch, max_blocks=p.m, num_q_heads=s.hq, topk=s.topk
+    )
     if not plan.uses_kernels:
-        ctx.notes.append(f"msa_decode_stage b{batch} c{context}: the {mm3lab.get_backend()} backend runs no "
-                         "separate launches")
+        ctx.notes.append(
+            f"msa_decode_stage b{batch} c{context}: the {mm3lab.get_backend()} backend runs no separate launches"
+        )
         return
     with mm3lab.validation(False):
         for st in p.sets:
@@ -644,8 +804,17 @@ def _msa_decode_stages_one(ctx, batch, context) -> None:
             fns = [st[name] for st in stages]
         for mode, t in _stage_times(ctx, fns, f"stage {name} b{batch} c{context}").items():
             if t is not None:
-                ctx.add("msa_decode_stage", {**base, "stage": name}, t.ms, None, None, None, **t.fields(),
-                        validation=False if mode == "eager" else None, fallback=None)
+                ctx.add(
+                    "msa_decode_stage",
+                    {**base, "stage": name},
+                    t.ms,
+                    None,
+                    None,
+                    None,
+                    **t.fields(),
+                    validation=False if mode == "eager" else None,
+                    fallback=None,
+                )
     _free(ctx)
 
 
@@ -663,7 +832,7 @@ SUITES = {
 }
 """Suite name -> function (its name in this module, or the function itself)."""
 
-from .fp8 import run_fp8_grid  # noqa: F401  (a suite in its own module, named in SUITES)
-from .prefill import run_prefill, run_spec_decode  # noqa: F401  (suites in their own module, named in SUITES)
+from .fp8 import run_fp8_grid  # noqa: E402, F401  (a suite in its own module, named in SUITES)
+from .prefill import run_prefill, run_spec_decode  # noqa: E402, F401  (suites in their own module, named in SUITES)
 
 __all__ = ["SUITES", "Shapes", "dry_run_shapes", "model_shapes"]

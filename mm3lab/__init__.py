@@ -47,6 +47,7 @@ from .block_table import (  # noqa: E402
     build_sparse_block_table_prefill,
     plan_sparse_row,
 )
+
 # --- index cache and indexer (SPEC section 2, steps 1-3) ---
 from .index_cache import allocate_index_cache, allocate_index_scale, insert_index_cache, token_slots  # noqa: E402
 from .indexer import (  # noqa: E402
@@ -58,9 +59,11 @@ from .indexer import (  # noqa: E402
     index_topk_prefill,
     topk_blocks,
 )
+
 # --- sparse paged attention and the MSA step (SPEC section 5) ---
 from .attention import dense_masked_attention, sparse_attention  # noqa: E402
 from .msa import MSAStep, dense_decode, dense_prefill, msa_decode, msa_prefill  # noqa: E402
+
 # --- plans: shapes fixed, validated and allocated once (SPEC section 8) ---
 from .plan import MSADecodePlan, MSAPrefillPlan  # noqa: E402
 

@@ -184,7 +184,7 @@ def check_int(name: str, value, *, minimum: int, maximum: int | None = None) -> 
 def check_scale(scale, head_dim: int) -> float:
     """The softmax ``scale``: ``None`` (``head_dim ** -0.5``) or a finite Python float / int (not a bool)."""
     if scale is None:
-        return head_dim ** -0.5
+        return head_dim**-0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
     if not math.isfinite(scale):

@@ -29,7 +29,7 @@ def round_to_e4m3(x, INTERPRETED: tl.constexpr):
         y = (y + _RINT_MAGIC) - _RINT_MAGIC
         r = tl.abs(y * step)  # on the e4m3 grid; its e4m3 bits, built by hand (the interpreter's
         rbits = r.to(tl.int32, bitcast=True)  # own conversion also drops the sign of -0)
-        normal = (((((rbits >> 23) & 0xFF) - 127 + 7) << 3) | ((rbits >> 20) & 7))
+        normal = ((((rbits >> 23) & 0xFF) - 127 + 7) << 3) | ((rbits >> 20) & 7)
         code = tl.where(r < 0.015625, (r * 512.0).to(tl.int32), normal)
         code = tl.where(bits < 0, code | 0x80, code)
         return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)

@@ -32,8 +32,13 @@ def _cmd_tour(args) -> int:
     notebooks = Path(args.notebooks) if args.notebooks else None
     try:
         if args.repeat:
-            tours = repeat_tour(args.repeat, notebooks_dir=notebooks, only=args.only, timeout=args.timeout,
-                                sliced_poll=not args.stock_client)
+            tours = repeat_tour(
+                args.repeat,
+                notebooks_dir=notebooks,
+                only=args.only,
+                timeout=args.timeout,
+                sliced_poll=not args.stock_client,
+            )
             print(repeat_report(tours))
             return 0
         out = run_tour(notebooks_dir=notebooks, out_dir=Path(args.out), only=args.only, timeout=args.timeout)
@@ -69,14 +74,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="mm3lab-tour", help="output folder (default: ./mm3lab-tour)")
     p.add_argument("--notebooks", default=None, help="notebook folder (default: the checkout's notebooks/)")
     p.add_argument("--only", nargs="*", default=None, help="run only notebooks whose name contains one of these")
-    p.add_argument("--timeout", type=int, default=CELL_TIMEOUT_S,
-                   help=f"seconds allowed per cell; past it the tour fails (default {CELL_TIMEOUT_S})")
-    p.add_argument("--repeat", type=int, default=0, metavar="N",
-                   help="stress run: execute the notebooks N times (no HTML) and print per-notebook "
-                        "min/median/max seconds and the longest cell")
-    p.add_argument("--stock-client", action="store_true",
-                   help="with --repeat: use nbclient's stock kernel client (to compare; it can miss a reply "
-                        "until the cell timeout)")
+    p.add_argument(
+        "--timeout",
+        type=int,
+        default=CELL_TIMEOUT_S,
+        help=f"seconds allowed per cell; past it the tour fails (default {CELL_TIMEOUT_S})",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=0,
+        metavar="N",
+        help="stress run: execute the notebooks N times (no HTML) and print per-notebook "
+        "min/median/max seconds and the longest cell",
+    )
+    p.add_argument(
+        "--stock-client",
+        action="store_true",
+        help="with --repeat: use nbclient's stock kernel client (to compare; it can miss a reply "
+        "until the cell timeout)",
+    )
     p.set_defaults(func=_cmd_tour)
 
     p = sub.add_parser("lab", help="open JupyterLab on the notebooks")

@@ -52,8 +52,17 @@ def _selection_rows(topk, rows: int) -> list[list[int]]:
     return topk
 
 
-def _row_text(blk: list[int], bt_row: list[int], p: int, seq_len: int, i: int, dql: int, block_page_stride: int,
-              pages: list[int], ctx: int) -> list[str]:
+def _row_text(
+    blk: list[int],
+    bt_row: list[int],
+    p: int,
+    seq_len: int,
+    i: int,
+    dql: int,
+    block_page_stride: int,
+    pages: list[int],
+    ctx: int,
+) -> list[str]:
     plan = plan_sparse_row(blk, p, table_width=len(bt_row))
     if plan.ctx != ctx:  # pragma: no cover - only a kernel bug gets here
         raise AssertionError(f"sparse_ctx {ctx} from the kernel, {plan.ctx} from the reference")
@@ -64,34 +73,41 @@ def _row_text(blk: list[int], bt_row: list[int], p: int, seq_len: int, i: int, d
     seen = plan.causal_len - sb * SPARSE_BLOCK_SIZE
     lines = [
         head,
-        (f"  causal_len = p + 1 = {plan.causal_len}; self_blk = p // {SPARSE_BLOCK_SIZE} = {sb} "
-         f"(tokens {_span(sb * SPARSE_BLOCK_SIZE, (sb + 1) * SPARSE_BLOCK_SIZE - 1)}); "
-         f"the query sees {seen} of its block's {SPARSE_BLOCK_SIZE} tokens"),
+        (
+            f"  causal_len = p + 1 = {plan.causal_len}; self_blk = p // {SPARSE_BLOCK_SIZE} = {sb} "
+            f"(tokens {_span(sb * SPARSE_BLOCK_SIZE, (sb + 1) * SPARSE_BLOCK_SIZE - 1)}); "
+            f"the query sees {seen} of its block's {SPARSE_BLOCK_SIZE} tokens"
+        ),
         f"  {'slot':>4}  {'block':>5}  {'physical':>8}  {'page ids':>12}  {'tokens':>13}  role",
     ]
     slot_of = {}
     for slot, b in enumerate(blk):
         slot_of.setdefault(b, slot)
     for out_slot, b in enumerate(plan.blocks):
-        ids = pages[out_slot * PAGES_PER_SPARSE_BLOCK:(out_slot + 1) * PAGES_PER_SPARSE_BLOCK]
+        ids = pages[out_slot * PAGES_PER_SPARSE_BLOCK : (out_slot + 1) * PAGES_PER_SPARSE_BLOCK]
         first = b * SPARSE_BLOCK_SIZE
         if b == plan.tail:
             last, role = p, f"tail ({seen} of {SPARSE_BLOCK_SIZE} tokens), topk[{slot_of[b]}]"
         else:
             last, role = first + SPARSE_BLOCK_SIZE - 1, f"full ({SPARSE_BLOCK_SIZE} tokens), topk[{slot_of[b]}]"
-        lines.append(f"  {out_slot:>4}  {b:>5}  {bt_row[b]:>8}  {_span(ids[0], ids[-1]):>12}  "
-                     f"{_span(first, last):>13}  {role}")
+        lines.append(
+            f"  {out_slot:>4}  {b:>5}  {bt_row[b]:>8}  {_span(ids[0], ids[-1]):>12}  {_span(first, last):>13}  {role}"
+        )
     for out_slot in range(len(plan.blocks), len(blk)):
         lines.append(f"  {out_slot:>4}  {'-':>5}  {'-':>8}  {'0 x 8':>12}  {'-':>13}  unused")
     if plan.dropped:
         lines.append("  dropped: " + ", ".join(f"topk[{s}] = {b} ({why})" for s, b, why in plan.dropped))
     if plan.tail is None:
-        lines.append(f"  ctx = len(full) * {SPARSE_BLOCK_SIZE} = {len(plan.full)} * {SPARSE_BLOCK_SIZE} = {ctx}"
-                     f"   (own block {sb} not selected: no tail)")
+        lines.append(
+            f"  ctx = len(full) * {SPARSE_BLOCK_SIZE} = {len(plan.full)} * {SPARSE_BLOCK_SIZE} = {ctx}"
+            f"   (own block {sb} not selected: no tail)"
+        )
     else:
-        lines.append(f"  ctx = len(full) * {SPARSE_BLOCK_SIZE} + (causal_len - self_blk * {SPARSE_BLOCK_SIZE}) "
-                     f"= {len(plan.full)} * {SPARSE_BLOCK_SIZE} + ({plan.causal_len} - {sb} * {SPARSE_BLOCK_SIZE}) "
-                     f"= {ctx}")
+        lines.append(
+            f"  ctx = len(full) * {SPARSE_BLOCK_SIZE} + (causal_len - self_blk * {SPARSE_BLOCK_SIZE}) "
+            f"= {len(plan.full)} * {SPARSE_BLOCK_SIZE} + ({plan.causal_len} - {sb} * {SPARSE_BLOCK_SIZE}) "
+            f"= {ctx}"
+        )
     ranges = attended_ranges(blk, p, table_width=len(bt_row))
     lines.append("  attended tokens: " + (", ".join(_span(a, z - 1) for a, z in ranges) or "none"))
     return lines
@@ -124,13 +140,18 @@ def explain_sparse_block_table(
     if not bt_row:
         raise ValueError("block_table_row: expected at least one block")
     sbt, ctx = build_sparse_block_table_decode(
-        torch.tensor([rows], dtype=torch.int64), torch.tensor([bt_row], dtype=torch.int64).reshape(1, len(bt_row)),
-        torch.tensor([int(seq_len)]), decode_query_len, block_page_stride,
+        torch.tensor([rows], dtype=torch.int64),
+        torch.tensor([bt_row], dtype=torch.int64).reshape(1, len(bt_row)),
+        torch.tensor([int(seq_len)]),
+        decode_query_len,
+        block_page_stride,
     )
     layout = "dense planes" if block_page_stride == PAGES_PER_SPARSE_BLOCK else "packed sides"
     lines = [
-        (f"block table row {bt_row} (logical -> physical), block_page_stride {block_page_stride} ({layout}): "
-         f"physical block b -> page ids b * {block_page_stride} + 0..{PAGES_PER_SPARSE_BLOCK - 1}"),
+        (
+            f"block table row {bt_row} (logical -> physical), block_page_stride {block_page_stride} ({layout}): "
+            f"physical block b -> page ids b * {block_page_stride} + 0..{PAGES_PER_SPARSE_BLOCK - 1}"
+        ),
     ]
     shared = all(r == rows[0] for r in rows)
     if shared:
@@ -138,8 +159,19 @@ def explain_sparse_block_table(
     for i, p in enumerate(decode_positions(seq_len, decode_query_len)):
         if not shared:
             lines.append(f"selection topk = {rows[i]}")
-        lines.extend(_row_text(rows[i], bt_row, p, int(seq_len), i, decode_query_len, block_page_stride,
-                               sbt[0, i].tolist(), int(ctx[0, i])))
+        lines.extend(
+            _row_text(
+                rows[i],
+                bt_row,
+                p,
+                int(seq_len),
+                i,
+                decode_query_len,
+                block_page_stride,
+                sbt[0, i].tolist(),
+                int(ctx[0, i]),
+            )
+        )
     return "\n".join(lines)
 
 
@@ -162,12 +194,19 @@ def add_explain_parser(sub) -> None:
         epilog="example: mm3lab explain --topk 1 0 -1 --block-table 5 7 --seq-len 129 --block-page-stride 16",
     )
     p.add_argument("--topk", type=int, nargs="+", required=True, help="selected logical blocks, -1 = padding")
-    p.add_argument("--block-table", type=int, nargs="+", required=True,
-                   help="the request's physical block of each logical block")
+    p.add_argument(
+        "--block-table", type=int, nargs="+", required=True, help="the request's physical block of each logical block"
+    )
     p.add_argument("--seq-len", type=int, required=True, help="the request's tokens, decode queries included")
-    p.add_argument("--block-page-stride", "--stride", dest="block_page_stride", type=int,
-                   default=PAGES_PER_SPARSE_BLOCK, choices=BLOCK_PAGE_STRIDES,
-                   help="page ids per block: 8 dense planes (default), 16 packed sides (--stride: old name)")
+    p.add_argument(
+        "--block-page-stride",
+        "--stride",
+        dest="block_page_stride",
+        type=int,
+        default=PAGES_PER_SPARSE_BLOCK,
+        choices=BLOCK_PAGE_STRIDES,
+        help="page ids per block: 8 dense planes (default), 16 packed sides (--stride: old name)",
+    )
     p.add_argument("--dql", type=int, default=1, help="decode_query_len: query rows of the request (default 1)")
     p.set_defaults(func=_cmd_explain)
 

@@ -89,9 +89,26 @@ class _MSAPlan:
     _prefill = False
 
     def __init__(
-        self, k_cache, v_cache, index_cache, *, rows: int, batch: int, max_blocks: int, num_q_heads: int,
-        decode_query_len: int, topk: int, init_blocks: int, local_blocks: int, scale, id_dtype, graph: bool,
-        index_scale=None, k_scale=None, v_scale=None, query_dtype=torch.bfloat16,
+        self,
+        k_cache,
+        v_cache,
+        index_cache,
+        *,
+        rows: int,
+        batch: int,
+        max_blocks: int,
+        num_q_heads: int,
+        decode_query_len: int,
+        topk: int,
+        init_blocks: int,
+        local_blocks: int,
+        scale,
+        id_dtype,
+        graph: bool,
+        index_scale=None,
+        k_scale=None,
+        v_scale=None,
+        query_dtype=torch.bfloat16,
     ):
         stride = check_kv_views(k_cache, v_cache)
         check_index_cache(index_cache)
@@ -122,7 +139,7 @@ class _MSAPlan:
                 "needs a KV cache at least as large (both caches take the same slot of each token)"
             )
         if scale is None:
-            scale = d ** -0.5
+            scale = d**-0.5
         elif isinstance(scale, (bool, torch.Tensor)) or not isinstance(scale, (int, float)):
             raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
         self.scale = float(scale)
@@ -157,7 +174,9 @@ class _MSAPlan:
         k_cache, index_cache = self._caches[0], self._caches[2]
         fallback = backend.bf16_interpreted(self.dtype) or backend.bf16_interpreted(self.index_dtype)
         if (
-            self.index_dtype == torch.float32 and index_cache.dtype != FP8_DTYPE and k_cache.shape[2] > 16
+            self.index_dtype == torch.float32
+            and index_cache.dtype != FP8_DTYPE
+            and k_cache.shape[2] > 16
             and not backend.INTERPRETER
         ):
             fallback = "fp32-wide-index-heads"
@@ -213,8 +232,11 @@ class _MSAPlan:
         n, b, m, h = self.rows, self.batch, self.max_blocks, self.num_kv_heads
         hq, d, di = self.num_q_heads, self.head_dim, self.index_dim
         spec = {
-            "q": ((n, hq, d), self.dtype), "key": ((n, h, d), self.dtype), "value": ((n, h, d), self.dtype),
-            "index_q": ((n, h, di), self.index_dtype), "index_k": ((n, di), self.index_dtype),
+            "q": ((n, hq, d), self.dtype),
+            "key": ((n, h, d), self.dtype),
+            "value": ((n, h, d), self.dtype),
+            "index_q": ((n, h, di), self.index_dtype),
+            "index_k": ((n, di), self.index_dtype),
             "block_table": ((b, m), self.id_dtype),
         }
         if self._prefill:
@@ -284,13 +306,32 @@ class _MSAPlan:
             inputs["key"], inputs["value"], k_cache, v_cache, self.slots, self.block_page_stride, k_scale, v_scale
         )
         index_scores_kernel(
-            inputs["index_q"], index_cache, bt, req, pos, dql, self._prefill, self.init_blocks, self.local_blocks,
-            True, self.scores, index_scale=index_scale,
+            inputs["index_q"],
+            index_cache,
+            bt,
+            req,
+            pos,
+            dql,
+            self._prefill,
+            self.init_blocks,
+            self.local_blocks,
+            True,
+            self.scores,
+            index_scale=index_scale,
         )
         topk_kernel(
-            self.scores, self.topk, self.topk_idx, positions=2 if self._prefill else 1, req=req, pos=pos,
-            batch=self.batch, dql=dql, block_table=bt, block_page_stride=self.block_page_stride,
-            sparse_bt=self.sparse_bt, sparse_ctx=self.sparse_ctx,
+            self.scores,
+            self.topk,
+            self.topk_idx,
+            positions=2 if self._prefill else 1,
+            req=req,
+            pos=pos,
+            batch=self.batch,
+            dql=dql,
+            block_table=bt,
+            block_page_stride=self.block_page_stride,
+            sparse_bt=self.sparse_bt,
+            sparse_ctx=self.sparse_ctx,
         )
         self._attend(inputs["q"], k_cache, v_cache, k_scale, v_scale)
 
@@ -301,7 +342,9 @@ class _MSAPlan:
         from .attention import ALGORITHMS, TILED_MIN_ROWS
 
         if algorithm is not None and algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm: expected None or one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}")
+            raise ValueError(
+                f"algorithm: expected None or one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}"
+            )
         if algorithm is None and (self.rows < TILED_MIN_ROWS or self._caches[4] is not None):
             algorithm = "rows"  # (an FP8 KV cache: the per-row kernel, which dequantizes in registers)
         if algorithm is None and self.graph:
@@ -320,13 +363,26 @@ class _MSAPlan:
         algorithm = self.algorithm
         if algorithm is None:  # eager, >= TILED_MIN_ROWS rows: the one-shot rule
             algorithm = choose_algorithm(
-                self.rows, share=lambda: float(tiled.neighbour_share(self.sparse_bt, self.sparse_ctx)))
+                self.rows, share=lambda: float(tiled.neighbour_share(self.sparse_bt, self.sparse_ctx))
+            )
         if algorithm == "tiled" and k_scale is None:
-            tiled.tiled_attention_kernel(q, k_cache, v_cache, self.sparse_bt, self.sparse_ctx, self.scale,
-                                         self.out, self.lse)
+            tiled.tiled_attention_kernel(
+                q, k_cache, v_cache, self.sparse_bt, self.sparse_ctx, self.scale, self.out, self.lse
+            )
         else:
-            sparse_attention_kernel(q, k_cache, v_cache, self.sparse_bt, self.sparse_ctx, self.scale, self.out,
-                                    self.lse, k_scale, v_scale, workspace=self.workspace)
+            sparse_attention_kernel(
+                q,
+                k_cache,
+                v_cache,
+                self.sparse_bt,
+                self.sparse_ctx,
+                self.scale,
+                self.out,
+                self.lse,
+                k_scale,
+                v_scale,
+                workspace=self.workspace,
+            )
 
     def _run(self, inputs: dict, caches):
         self._check_inputs(inputs, caches)
@@ -386,7 +442,8 @@ class _MSAPlan:
 
             def table():
                 build_sparse_block_table_prefill_kernel(
-                    self.topk_idx, bt, req, pos, self.block_page_stride, self.sparse_bt, self.sparse_ctx)
+                    self.topk_idx, bt, req, pos, self.block_page_stride, self.sparse_bt, self.sparse_ctx
+                )
         else:
             lens, dql = inputs["seq_lens"], self.decode_query_len
             req = pos = lens
@@ -396,7 +453,9 @@ class _MSAPlan:
 
             def table():
                 build_sparse_block_table_decode_kernel(
-                    self.topk_idx, bt, lens, dql, self.block_page_stride, self.sparse_bt, self.sparse_ctx)
+                    self.topk_idx, bt, lens, dql, self.block_page_stride, self.sparse_bt, self.sparse_ctx
+                )
+
         positions = 2 if self._prefill else 1
 
         def insert():
@@ -409,26 +468,58 @@ class _MSAPlan:
         return {
             "insert": insert,
             "indexer_scores": lambda: index_scores_kernel(
-                inputs["index_q"], index_cache, bt, req, pos, dql, self._prefill, self.init_blocks,
-                self.local_blocks, True, self.scores, index_scale=index_scale),
+                inputs["index_q"],
+                index_cache,
+                bt,
+                req,
+                pos,
+                dql,
+                self._prefill,
+                self.init_blocks,
+                self.local_blocks,
+                True,
+                self.scores,
+                index_scale=index_scale,
+            ),
             "topk": lambda: topk_kernel(
-                self.scores, self.topk, self.topk_idx, positions=positions, req=req, pos=pos, batch=self.batch,
-                dql=dql),
+                self.scores, self.topk, self.topk_idx, positions=positions, req=req, pos=pos, batch=self.batch, dql=dql
+            ),
             "block_table": table,
             "topk_block_table": lambda: topk_kernel(
-                self.scores, self.topk, self.topk_idx, positions=positions, req=req, pos=pos, batch=self.batch,
-                dql=dql, block_table=bt, block_page_stride=self.block_page_stride, sparse_bt=self.sparse_bt,
-                sparse_ctx=self.sparse_ctx),
+                self.scores,
+                self.topk,
+                self.topk_idx,
+                positions=positions,
+                req=req,
+                pos=pos,
+                batch=self.batch,
+                dql=dql,
+                block_table=bt,
+                block_page_stride=self.block_page_stride,
+                sparse_bt=self.sparse_bt,
+                sparse_ctx=self.sparse_ctx,
+            ),
             "attention": lambda: sparse_attention_kernel(
-                inputs["q"], k_cache, v_cache, self.sparse_bt, self.sparse_ctx, self.scale, self.out, self.lse,
-                k_scale, v_scale, workspace=self.workspace),
+                inputs["q"],
+                k_cache,
+                v_cache,
+                self.sparse_bt,
+                self.sparse_ctx,
+                self.scale,
+                self.out,
+                self.lse,
+                k_scale,
+                v_scale,
+                workspace=self.workspace,
+            ),
         }
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(rows={self.rows}, batch={self.batch}, max_blocks={self.max_blocks}, "
             f"heads={self.num_q_heads}/{self.num_kv_heads}, head_dim={self.head_dim}, index_dim={self.index_dim}, "
-            f"dtype={dtype_name(self.dtype)}, cache={dtype_name(self.cache_dtype)}/{dtype_name(self.index_cache_dtype)}, topk={self.topk}, block_page_stride={self.block_page_stride}, "
+            f"dtype={dtype_name(self.dtype)}, cache={dtype_name(self.cache_dtype)}/"
+            f"{dtype_name(self.index_cache_dtype)}, topk={self.topk}, block_page_stride={self.block_page_stride}, "
             f"graph={self.graph}, kernels={self.uses_kernels})"
         )
 
@@ -454,19 +545,48 @@ class MSADecodePlan(_MSAPlan):
     """
 
     def __init__(
-        self, k_cache, v_cache, index_cache, *, batch: int, max_blocks: int, num_q_heads: int,
-        decode_query_len: int = 1, topk: int = DEFAULT_TOPK, init_blocks: int = 0, local_blocks: int = 1,
-        scale: float | None = None, id_dtype: torch.dtype = torch.int32, graph: bool = False,
-        index_scale=None, k_scale=None, v_scale=None, query_dtype: torch.dtype = torch.bfloat16,
+        self,
+        k_cache,
+        v_cache,
+        index_cache,
+        *,
+        batch: int,
+        max_blocks: int,
+        num_q_heads: int,
+        decode_query_len: int = 1,
+        topk: int = DEFAULT_TOPK,
+        init_blocks: int = 0,
+        local_blocks: int = 1,
+        scale: float | None = None,
+        id_dtype: torch.dtype = torch.int32,
+        graph: bool = False,
+        index_scale=None,
+        k_scale=None,
+        v_scale=None,
+        query_dtype: torch.dtype = torch.bfloat16,
         algorithm: str | None = None,
     ):
         check_int("batch", batch, minimum=1)
         check_int("decode_query_len", decode_query_len, minimum=1)
         super().__init__(
-            k_cache, v_cache, index_cache, rows=batch * decode_query_len, batch=batch, max_blocks=max_blocks,
-            num_q_heads=num_q_heads, decode_query_len=decode_query_len, topk=topk, init_blocks=init_blocks,
-            local_blocks=local_blocks, scale=scale, id_dtype=id_dtype, graph=graph,
-            index_scale=index_scale, k_scale=k_scale, v_scale=v_scale, query_dtype=query_dtype,
+            k_cache,
+            v_cache,
+            index_cache,
+            rows=batch * decode_query_len,
+            batch=batch,
+            max_blocks=max_blocks,
+            num_q_heads=num_q_heads,
+            decode_query_len=decode_query_len,
+            topk=topk,
+            init_blocks=init_blocks,
+            local_blocks=local_blocks,
+            scale=scale,
+            id_dtype=id_dtype,
+            graph=graph,
+            index_scale=index_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            query_dtype=query_dtype,
         )
         self._set_algorithm(algorithm)
 
@@ -474,8 +594,15 @@ class MSADecodePlan(_MSAPlan):
         from .indexer.checks import check_decode
 
         check_decode(
-            inputs["index_q"], self._caches[2], inputs["block_table"], inputs["seq_lens"], self.topk,
-            self.decode_query_len, self.init_blocks, self.local_blocks, self._caches[3],
+            inputs["index_q"],
+            self._caches[2],
+            inputs["block_table"],
+            inputs["seq_lens"],
+            self.topk,
+            self.decode_query_len,
+            self.init_blocks,
+            self.local_blocks,
+            self._caches[3],
         )
 
     def _one_shot(self, inputs: dict, caches):
@@ -483,25 +610,78 @@ class MSADecodePlan(_MSAPlan):
 
         k_cache, v_cache, index_cache, index_scale, k_scale, v_scale = caches
         return msa_decode(
-            inputs["q"], inputs["key"], inputs["value"], inputs["index_q"], inputs["index_k"], k_cache, v_cache,
-            index_cache, inputs["block_table"], inputs["seq_lens"], decode_query_len=self.decode_query_len,
-            topk=self.topk, init_blocks=self.init_blocks, local_blocks=self.local_blocks, scale=self.scale,
-            index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
+            inputs["q"],
+            inputs["key"],
+            inputs["value"],
+            inputs["index_q"],
+            inputs["index_k"],
+            k_cache,
+            v_cache,
+            index_cache,
+            inputs["block_table"],
+            inputs["seq_lens"],
+            decode_query_len=self.decode_query_len,
+            topk=self.topk,
+            init_blocks=self.init_blocks,
+            local_blocks=self.local_blocks,
+            scale=self.scale,
+            index_scale=index_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     @staticmethod
     def _inputs(q, key, value, index_q, index_k, block_table, seq_lens) -> dict:
-        return {"q": q, "key": key, "value": value, "index_q": index_q, "index_k": index_k, "block_table": block_table,
-                    "seq_lens": seq_lens}
+        return {
+            "q": q,
+            "key": key,
+            "value": value,
+            "index_q": index_q,
+            "index_k": index_k,
+            "block_table": block_table,
+            "seq_lens": seq_lens,
+        }
 
-    def run(self, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, seq_lens, *,
-            index_scale=None, k_scale=None, v_scale=None):
+    def run(
+        self,
+        q,
+        key,
+        value,
+        index_q,
+        index_k,
+        k_cache,
+        v_cache,
+        index_cache,
+        block_table,
+        seq_lens,
+        *,
+        index_scale=None,
+        k_scale=None,
+        v_scale=None,
+    ):
         """One decode step, arguments as :func:`mm3lab.msa_decode`; returns ``plan.out [N, Hq, D]``."""
-        return self._run(self._inputs(q, key, value, index_q, index_k, block_table, seq_lens),
-                         (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale))
+        return self._run(
+            self._inputs(q, key, value, index_q, index_k, block_table, seq_lens),
+            (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale),
+        )
 
-    def stages(self, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, seq_lens, *,
-               index_scale=None, k_scale=None, v_scale=None):
+    def stages(
+        self,
+        q,
+        key,
+        value,
+        index_q,
+        index_k,
+        k_cache,
+        v_cache,
+        index_cache,
+        block_table,
+        seq_lens,
+        *,
+        index_scale=None,
+        k_scale=None,
+        v_scale=None,
+    ):
         """The step's launches as callables; see :meth:`_MSAPlan.stages`."""
         inputs = self._inputs(q, key, value, index_q, index_k, block_table, seq_lens)
         caches = (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale)
@@ -520,16 +700,46 @@ class MSAPrefillPlan(_MSAPlan):
     _prefill = True
 
     def __init__(
-        self, k_cache, v_cache, index_cache, *, num_tokens: int, batch: int, max_blocks: int, num_q_heads: int,
-        topk: int = DEFAULT_TOPK, init_blocks: int = 0, local_blocks: int = 1, scale: float | None = None,
-        id_dtype: torch.dtype = torch.int32, graph: bool = False, algorithm: str | None = None,
-        index_scale=None, k_scale=None, v_scale=None, query_dtype: torch.dtype = torch.bfloat16,
+        self,
+        k_cache,
+        v_cache,
+        index_cache,
+        *,
+        num_tokens: int,
+        batch: int,
+        max_blocks: int,
+        num_q_heads: int,
+        topk: int = DEFAULT_TOPK,
+        init_blocks: int = 0,
+        local_blocks: int = 1,
+        scale: float | None = None,
+        id_dtype: torch.dtype = torch.int32,
+        graph: bool = False,
+        algorithm: str | None = None,
+        index_scale=None,
+        k_scale=None,
+        v_scale=None,
+        query_dtype: torch.dtype = torch.bfloat16,
     ):
         super().__init__(
-            k_cache, v_cache, index_cache, rows=num_tokens, batch=batch, max_blocks=max_blocks,
-            num_q_heads=num_q_heads, decode_query_len=1, topk=topk, init_blocks=init_blocks,
-            local_blocks=local_blocks, scale=scale, id_dtype=id_dtype, graph=graph,
-            index_scale=index_scale, k_scale=k_scale, v_scale=v_scale, query_dtype=query_dtype,
+            k_cache,
+            v_cache,
+            index_cache,
+            rows=num_tokens,
+            batch=batch,
+            max_blocks=max_blocks,
+            num_q_heads=num_q_heads,
+            decode_query_len=1,
+            topk=topk,
+            init_blocks=init_blocks,
+            local_blocks=local_blocks,
+            scale=scale,
+            id_dtype=id_dtype,
+            graph=graph,
+            index_scale=index_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            query_dtype=query_dtype,
         )
         self._set_algorithm(algorithm)
 
@@ -537,8 +747,15 @@ class MSAPrefillPlan(_MSAPlan):
         from .indexer.checks import check_prefill
 
         check_prefill(
-            inputs["index_q"], self._caches[2], inputs["block_table"], inputs["query_req_id"],
-            inputs["query_abs_pos"], self.topk, self.init_blocks, self.local_blocks, self._caches[3],
+            inputs["index_q"],
+            self._caches[2],
+            inputs["block_table"],
+            inputs["query_req_id"],
+            inputs["query_abs_pos"],
+            self.topk,
+            self.init_blocks,
+            self.local_blocks,
+            self._caches[3],
         )
 
     def _one_shot(self, inputs: dict, caches):
@@ -546,30 +763,83 @@ class MSAPrefillPlan(_MSAPlan):
 
         k_cache, v_cache, index_cache, index_scale, k_scale, v_scale = caches
         return msa_prefill(
-            inputs["q"], inputs["key"], inputs["value"], inputs["index_q"], inputs["index_k"], k_cache, v_cache,
-            index_cache, inputs["block_table"], inputs["query_req_id"], inputs["query_abs_pos"],
-            topk=self.topk, init_blocks=self.init_blocks, local_blocks=self.local_blocks, scale=self.scale,
-            index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
+            inputs["q"],
+            inputs["key"],
+            inputs["value"],
+            inputs["index_q"],
+            inputs["index_k"],
+            k_cache,
+            v_cache,
+            index_cache,
+            inputs["block_table"],
+            inputs["query_req_id"],
+            inputs["query_abs_pos"],
+            topk=self.topk,
+            init_blocks=self.init_blocks,
+            local_blocks=self.local_blocks,
+            scale=self.scale,
+            index_scale=index_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     @staticmethod
     def _inputs(q, key, value, index_q, index_k, block_table, query_req_id, query_abs_pos) -> dict:
-        return {"q": q, "key": key, "value": value, "index_q": index_q, "index_k": index_k, "block_table": block_table,
-                    "query_req_id": query_req_id, "query_abs_pos": query_abs_pos}
+        return {
+            "q": q,
+            "key": key,
+            "value": value,
+            "index_q": index_q,
+            "index_k": index_k,
+            "block_table": block_table,
+            "query_req_id": query_req_id,
+            "query_abs_pos": query_abs_pos,
+        }
 
-    def run(self, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, query_req_id,
-            query_abs_pos, *, index_scale=None, k_scale=None, v_scale=None):
+    def run(
+        self,
+        q,
+        key,
+        value,
+        index_q,
+        index_k,
+        k_cache,
+        v_cache,
+        index_cache,
+        block_table,
+        query_req_id,
+        query_abs_pos,
+        *,
+        index_scale=None,
+        k_scale=None,
+        v_scale=None,
+    ):
         """One prefill step, arguments as :func:`mm3lab.msa_prefill`; returns ``plan.out [N, Hq, D]``."""
         inputs = self._inputs(q, key, value, index_q, index_k, block_table, query_req_id, query_abs_pos)
         if not self.graph:
             self.req, self.pos = query_req_id, query_abs_pos
         return self._run(inputs, (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale))
 
-    def stages(self, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, query_req_id,
-               query_abs_pos, *, index_scale=None, k_scale=None, v_scale=None):
+    def stages(
+        self,
+        q,
+        key,
+        value,
+        index_q,
+        index_k,
+        k_cache,
+        v_cache,
+        index_cache,
+        block_table,
+        query_req_id,
+        query_abs_pos,
+        *,
+        index_scale=None,
+        k_scale=None,
+        v_scale=None,
+    ):
         """The step's launches as callables; see :meth:`_MSAPlan.stages`."""
         inputs = self._inputs(q, key, value, index_q, index_k, block_table, query_req_id, query_abs_pos)
         caches = (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale)
         self._check_inputs(inputs, caches)
         return super().stages(inputs, caches)
-

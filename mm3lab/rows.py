@@ -77,10 +77,22 @@ def row_request_position(n, live, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, 
 
 @triton.jit
 def _rows_slots(
-    seq_lens_ptr, bt_ptr, stride_bb, stride_bm,
-    req_ptr, stride_r, pos_ptr, stride_p, slot_ptr,
-    N, B, M, DQL,
-    PREFILL: tl.constexpr, BLOCK: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+    seq_lens_ptr,
+    bt_ptr,
+    stride_bb,
+    stride_bm,
+    req_ptr,
+    stride_r,
+    pos_ptr,
+    stride_p,
+    slot_ptr,
+    N,
+    B,
+    M,
+    DQL,
+    PREFILL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SPARSE_BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -145,7 +157,20 @@ def rows_and_slots(
         return
     b, m = block_table.shape
     _rows_slots[(triton.cdiv(n, _BLOCK),)](
-        req if prefill else seq_lens, block_table, block_table.stride(0), block_table.stride(1),
-        req, req.stride(0), pos, pos.stride(0), slots, n, b, m, decode_query_len,
-        PREFILL=prefill, BLOCK=_BLOCK, SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
+        req if prefill else seq_lens,
+        block_table,
+        block_table.stride(0),
+        block_table.stride(1),
+        req,
+        req.stride(0),
+        pos,
+        pos.stride(0),
+        slots,
+        n,
+        b,
+        m,
+        decode_query_len,
+        PREFILL=prefill,
+        BLOCK=_BLOCK,
+        SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
     )

@@ -155,8 +155,12 @@ def make_sequence(
     """
     if pattern not in PATTERNS:
         raise ValueError(f"pattern: expected one of {', '.join(PATTERNS)}, got {pattern!r}")
-    for name, value in (("seq_len", seq_len), ("num_kv_heads", num_kv_heads), ("index_dim", index_dim),
-                        ("head_dim", head_dim)):
+    for name, value in (
+        ("seq_len", seq_len),
+        ("num_kv_heads", num_kv_heads),
+        ("index_dim", index_dim),
+        ("head_dim", head_dim),
+    ):
         _check_positive(name, value)
     num_q_heads = 4 * num_kv_heads if num_q_heads is None else _check_positive("num_q_heads", num_q_heads)
     if num_q_heads % num_kv_heads:
@@ -252,13 +256,15 @@ def page_sequence(
     block_table = torch.randperm(num_blocks, generator=gen)[:m].view(1, m).to(torch.int32).to(device)
     positions = torch.arange(seq.seq_len, device=device)
     slots = token_slots(block_table, torch.zeros_like(positions), positions)
-    index_cache = allocate_index_cache(num_blocks, seq.index_dim, dtype=seq.index_k.dtype, device=device,
-                                       fill=float("nan"))
+    index_cache = allocate_index_cache(
+        num_blocks, seq.index_dim, dtype=seq.index_k.dtype, device=device, fill=float("nan")
+    )
     insert_index_cache(seq.index_k, index_cache, slots)
     kv = None
     if kv_layout is not None:
-        kv = allocate_kv_cache(num_blocks, seq.num_kv_heads, seq.head_dim, kv_layout, dtype=seq.k.dtype,
-                               device=device, fill=float("nan"))
+        kv = allocate_kv_cache(
+            num_blocks, seq.num_kv_heads, seq.head_dim, kv_layout, dtype=seq.k.dtype, device=device, fill=float("nan")
+        )
         write_kv_page16(seq.k, seq.v, kv.k_cache, kv.v_cache, slots)
     seq_lens = torch.tensor([seq.seq_len], dtype=torch.int32, device=device)
     return PagedSequence(block_table, slots, index_cache, kv, seq_lens)
@@ -307,16 +313,30 @@ class SyntheticLayer:
     def inputs(self) -> dict:
         """Keyword arguments of :func:`mm3lab.msa_decode` for this step."""
         return dict(
-            q=self.q, key=self.key, value=self.value, index_q=self.index_q, index_k=self.index_k,
-            k_cache=self.cache.k_cache, v_cache=self.cache.v_cache, index_cache=self.index_cache,
-            block_table=self.block_table, seq_lens=self.seq_lens, decode_query_len=self.decode_query_len,
+            q=self.q,
+            key=self.key,
+            value=self.value,
+            index_q=self.index_q,
+            index_k=self.index_k,
+            k_cache=self.cache.k_cache,
+            v_cache=self.cache.v_cache,
+            index_cache=self.index_cache,
+            block_table=self.block_table,
+            seq_lens=self.seq_lens,
+            decode_query_len=self.decode_query_len,
         )
 
     def dense_inputs(self) -> dict:
         """Keyword arguments of :func:`mm3lab.msa.dense_decode` for this step."""
         return dict(
-            q=self.q, key=self.key, value=self.value, k_cache=self.cache.k_cache, v_cache=self.cache.v_cache,
-            block_table=self.block_table, seq_lens=self.seq_lens, decode_query_len=self.decode_query_len,
+            q=self.q,
+            key=self.key,
+            value=self.value,
+            k_cache=self.cache.k_cache,
+            v_cache=self.cache.v_cache,
+            block_table=self.block_table,
+            seq_lens=self.seq_lens,
+            decode_query_len=self.decode_query_len,
         )
 
 
@@ -361,8 +381,16 @@ def synthetic_layer(
     hkv, d, di = num_kv_heads, head_dim, index_dim
     lens = [context_len + 37 * r for r in range(batch)]
     seqs = tuple(
-        make_sequence(pattern, length, num_kv_heads=hkv, num_q_heads=hkv * group_size, index_dim=di,
-                      head_dim=d, seed=seed + r, **sequence_options)
+        make_sequence(
+            pattern,
+            length,
+            num_kv_heads=hkv,
+            num_q_heads=hkv * group_size,
+            index_dim=di,
+            head_dim=d,
+            seed=seed + r,
+            **sequence_options,
+        )
         for r, length in enumerate(lens)
     )
     s_max = max(lens)
@@ -395,11 +423,20 @@ def synthetic_layer(
         index_cache[physical, offset] = full_index_k[hist_req, hist_pos]
     req, pos = req.to(dev), pos.to(dev)
     return SyntheticLayer(
-        q=q.to(device=dev, dtype=dtype), key=full_key[req, pos], value=full_value[req, pos],
-        index_q=index_q.to(device=dev, dtype=dtype), index_k=full_index_k[req, pos],
-        cache=cache, index_cache=index_cache, block_table=block_table,
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), decode_query_len=dql,
-        full_key=full_key, full_value=full_value, sequences=seqs, pattern=pattern,
+        q=q.to(device=dev, dtype=dtype),
+        key=full_key[req, pos],
+        value=full_value[req, pos],
+        index_q=index_q.to(device=dev, dtype=dtype),
+        index_k=full_index_k[req, pos],
+        cache=cache,
+        index_cache=index_cache,
+        block_table=block_table,
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+        decode_query_len=dql,
+        full_key=full_key,
+        full_value=full_value,
+        sequences=seqs,
+        pattern=pattern,
     )
 
 

@@ -143,9 +143,11 @@ class NotebookRun:
 
 
 def _what_to_do(path: Path, timeout: int) -> str:
-    return (f"run it again with `python3 run.py tour --only {path.stem}`; if that cell needs longer on "
-            f"this machine, pass --timeout SECONDS (now {timeout}); if it recurs, report the output of "
-            f"`python3 run.py tour --repeat 5 --only {path.stem}`")
+    return (
+        f"run it again with `python3 run.py tour --only {path.stem}`; if that cell needs longer on "
+        f"this machine, pass --timeout SECONDS (now {timeout}); if it recurs, report the output of "
+        f"`python3 run.py tour --repeat 5 --only {path.stem}`"
+    )
 
 
 def execute_notebook(path: Path, timeout: int = CELL_TIMEOUT_S, sliced_poll: bool = True):
@@ -172,9 +174,15 @@ def execute_notebook(path: Path, timeout: int = CELL_TIMEOUT_S, sliced_poll: boo
 
     extra = {"kernel_manager_class": TourKernelManager} if sliced_poll else {}
     client = NotebookClient(
-        nb, timeout=timeout, iopub_timeout=IOPUB_TIMEOUT_S, raise_on_iopub_timeout=True,
-        kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
-        on_cell_start=on_start, on_cell_executed=on_executed, **extra,
+        nb,
+        timeout=timeout,
+        iopub_timeout=IOPUB_TIMEOUT_S,
+        raise_on_iopub_timeout=True,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+        on_cell_start=on_start,
+        on_cell_executed=on_executed,
+        **extra,
     )
     t0 = time.monotonic()
     try:
@@ -186,8 +194,9 @@ def execute_notebook(path: Path, timeout: int = CELL_TIMEOUT_S, sliced_poll: boo
         where = "while starting the kernel" if current["cell"] is None else f"at cell {current['cell']}"
         waited = "" if current["cell"] is None else f" (waited {time.monotonic() - current['start']:.0f} s)"
         reason = "the kernel died" if isinstance(e, DeadKernelError) else f"no reply within {timeout} s"
-        raise TourError(f"{path.name}: stopped {where}{waited}: {reason} ({type(e).__name__}). "
-                        f"{_what_to_do(path, timeout)}") from None
+        raise TourError(
+            f"{path.name}: stopped {where}{waited}: {reason} ({type(e).__name__}). {_what_to_do(path, timeout)}"
+        ) from None
     run.seconds = time.monotonic() - t0
     return nb, run
 
@@ -274,8 +283,14 @@ def run_tour(
 # --- the stress run ---------------------------------------------------------------------------
 
 
-def repeat_tour(repeat: int, notebooks_dir: Path | None = None, only: list[str] | None = None,
-                timeout: int = CELL_TIMEOUT_S, sliced_poll: bool = True, echo=print) -> list[list[NotebookRun]]:
+def repeat_tour(
+    repeat: int,
+    notebooks_dir: Path | None = None,
+    only: list[str] | None = None,
+    timeout: int = CELL_TIMEOUT_S,
+    sliced_poll: bool = True,
+    echo=print,
+) -> list[list[NotebookRun]]:
     """Execute the notebooks ``repeat`` times (no HTML); echo one line per tour; return the runs."""
     _, paths = _select(notebooks_dir, only)
     tours = []
@@ -285,10 +300,12 @@ def repeat_tour(repeat: int, notebooks_dir: Path | None = None, only: list[str] 
             runs = [execute_notebook(p, timeout=timeout, sliced_poll=sliced_poll)[1] for p in paths]
             tours.append(runs)
             name, (cell, s) = max(((r.name, r.slowest_cell) for r in runs), key=lambda x: x[1][1])
-            echo(f"tour {i + 1}/{repeat}: {time.monotonic() - t0:.1f} s; longest cell {s:.1f} s ({name} cell {cell}); "
-                 f"late wake-ups so far {SlicedPollChannel.late_wakeups}, "
-                 f"replies waiting after a send {SlicedPollChannel.woken_after_send}; shell channel {runs[0].channel}; "
-                 f"load {_load()}")
+            echo(
+                f"tour {i + 1}/{repeat}: {time.monotonic() - t0:.1f} s; longest cell {s:.1f} s ({name} cell {cell}); "
+                f"late wake-ups so far {SlicedPollChannel.late_wakeups}, "
+                f"replies waiting after a send {SlicedPollChannel.woken_after_send}; shell channel {runs[0].channel}; "
+                f"load {_load()}"
+            )
     return tours
 
 
@@ -302,17 +319,22 @@ def _load() -> str:
 def repeat_report(tours: list[list[NotebookRun]]) -> str:
     """Per notebook min / median / max seconds, tour totals, and the longest single cell."""
     names = [r.name for r in tours[0]]
-    lines = [f"{len(tours)} tours; seconds per notebook (kernel start to shutdown)",
-             f"{'notebook':28s} {'min':>7} {'median':>7} {'max':>7}  longest cell"]
+    lines = [
+        f"{len(tours)} tours; seconds per notebook (kernel start to shutdown)",
+        f"{'notebook':28s} {'min':>7} {'median':>7} {'max':>7}  longest cell",
+    ]
     for k, name in enumerate(names):
         secs = [t[k].seconds for t in tours]
         cell, s = max((t[k].slowest_cell for t in tours), key=lambda x: x[1])
-        lines.append(f"{name:28s} {min(secs):7.1f} {statistics.median(secs):7.1f} {max(secs):7.1f}  "
-                     f"{s:.1f} s (cell {cell})")
+        lines.append(
+            f"{name:28s} {min(secs):7.1f} {statistics.median(secs):7.1f} {max(secs):7.1f}  {s:.1f} s (cell {cell})"
+        )
     totals = [sum(r.seconds for r in t) for t in tours]
     lines.append(f"{'whole tour':28s} {min(totals):7.1f} {statistics.median(totals):7.1f} {max(totals):7.1f}")
     worst = max((r.slowest_cell[1], r.name, r.slowest_cell[0]) for t in tours for r in t)
-    lines.append(f"longest single cell wait: {worst[0]:.1f} s ({worst[1]} cell {worst[2]}); "
-                 f"late wake-ups caught by the sliced poll: {SlicedPollChannel.late_wakeups}; "
-                 f"replies waiting after a send (woken at once): {SlicedPollChannel.woken_after_send}")
+    lines.append(
+        f"longest single cell wait: {worst[0]:.1f} s ({worst[1]} cell {worst[2]}); "
+        f"late wake-ups caught by the sliced poll: {SlicedPollChannel.late_wakeups}; "
+        f"replies waiting after a send (woken at once): {SlicedPollChannel.woken_after_send}"
+    )
     return "\n".join(lines)

@@ -86,7 +86,10 @@ def make_case(
             pos = torch.arange(length)
             slots = block_table[r, pos // SPARSE_BLOCK_SIZE].long() * SPARSE_BLOCK_SIZE + pos % SPARSE_BLOCK_SIZE
             mm3lab.write_kv_page16(
-                key[r, :length].to(device), value[r, :length].to(device), cache.k_cache, cache.v_cache,
+                key[r, :length].to(device),
+                value[r, :length].to(device),
+                cache.k_cache,
+                cache.v_cache,
                 slots.to(device),
             )
     if mode == "decode":
@@ -118,8 +121,17 @@ def make_case(
     sparse_bt, sparse_ctx = build_table(topk_idx, block_table, req, pos, cache.block_page_stride)
     to = dict(device=device)
     return Case(
-        q.to(**to), key.to(**to), value.to(**to), cache, block_table.to(**to), torch.tensor(seq_lens).to(**to),
-        topk_idx.to(**to), req.to(**to), pos.to(**to), sparse_bt.to(**to), sparse_ctx.to(**to),
+        q.to(**to),
+        key.to(**to),
+        value.to(**to),
+        cache,
+        block_table.to(**to),
+        torch.tensor(seq_lens).to(**to),
+        topk_idx.to(**to),
+        req.to(**to),
+        pos.to(**to),
+        sparse_bt.to(**to),
+        sparse_ctx.to(**to),
     )
 
 
@@ -130,7 +142,14 @@ def run_kernel(case: Case, **launch):
     lse = poison(torch.empty(n, hq, dtype=torch.float32, device=case.q.device))
     if launch:
         attn_kernel.sparse_attention_kernel(
-            case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx, d ** -0.5, out, lse,
+            case.q,
+            case.cache.k_cache,
+            case.cache.v_cache,
+            case.sparse_bt,
+            case.sparse_ctx,
+            d**-0.5,
+            out,
+            lse,
             **launch,
         )
     else:
@@ -149,8 +168,13 @@ def run_reference(case: Case):
 
 def run_dense(case: Case):
     return reference.dense_masked_attention(
-        case.q.float(), case.key.float(), case.value.float(), case.topk_idx, case.query_req_id,
-        case.query_abs_pos, return_lse=True,
+        case.q.float(),
+        case.key.float(),
+        case.value.float(),
+        case.topk_idx,
+        case.query_req_id,
+        case.query_abs_pos,
+        return_lse=True,
     )
 
 
@@ -197,8 +221,19 @@ def shape_cases(device, layout, mode, dql, hkv, group, d):
     """The cases of one (layout, mode, shape), one per dtype the device runs (shared with test_attention_tiled)."""
     for dtype in dtypes_for(device):
         yield make_case(
-            layout=layout, mode=mode, hkv=hkv, group=group, d=d, dtype=dtype, device=device,
-            seq_lens=[300, 1, 141], topk=3, seed=hkv * 100 + group * 10 + d, dql=dql or 1, rows=6, pad_rows=1,
+            layout=layout,
+            mode=mode,
+            hkv=hkv,
+            group=group,
+            d=d,
+            dtype=dtype,
+            device=device,
+            seq_lens=[300, 1, 141],
+            topk=3,
+            seed=hkv * 100 + group * 10 + d,
+            dql=dql or 1,
+            rows=6,
+            pad_rows=1,
         )
 
 
@@ -214,8 +249,16 @@ def test_kernel_matches_references(device, layout, mode, dql, hkv, group, d):
 def test_split_over_pages_and_merge(device, num_splits, block_n):
     """Any split count and step size gives the same output; empty splits (past ctx) contribute nothing."""
     case = make_case(
-        layout="packed", mode="decode", hkv=2, group=5, d=64, dtype=torch.float32, device=device,
-        seq_lens=[517, 20], topk=4, seed=num_splits,
+        layout="packed",
+        mode="decode",
+        hkv=2,
+        group=5,
+        d=64,
+        dtype=torch.float32,
+        device=device,
+        seq_lens=[517, 20],
+        topk=4,
+        seed=num_splits,
     )
     attention_every_path(case, num_splits=num_splits, block_n=block_n)
 
@@ -245,8 +288,17 @@ def test_single_token_returns_its_value(device):
 def test_strided_inputs_and_scale(device):
     """A transposed token-major table, a strided q and an explicit scale."""
     case = make_case(
-        layout="dense", mode="decode", hkv=2, group=2, d=64, dtype=torch.float32, device=device,
-        seq_lens=[200, 129], topk=2, seed=7, dql=2,
+        layout="dense",
+        mode="decode",
+        hkv=2,
+        group=2,
+        d=64,
+        dtype=torch.float32,
+        device=device,
+        seq_lens=[200, 129],
+        topk=2,
+        seed=7,
+        dql=2,
     )
     q_wide = torch.randn(case.q.shape[0], case.q.shape[1], 2 * 64, device=device)
     q = q_wide[..., ::2]  # last dim strided
@@ -261,8 +313,16 @@ def test_strided_inputs_and_scale(device):
 
 def test_bf16_on_cpu_uses_the_exact_path():
     case = make_case(
-        layout="dense", mode="decode", hkv=1, group=2, d=32, dtype=torch.bfloat16, device="cpu",
-        seq_lens=[40], topk=1, seed=3,
+        layout="dense",
+        mode="decode",
+        hkv=1,
+        group=2,
+        d=32,
+        dtype=torch.bfloat16,
+        device="cpu",
+        seq_lens=[40],
+        topk=1,
+        seed=3,
     )
     out = mm3lab.sparse_attention(case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx)
     expected = run_dense(case)[0].to(torch.bfloat16)
@@ -291,8 +351,19 @@ def cases(draw, device):
     dql = draw(st.integers(2, 4)) if mode == "spec_decode" else 1
     seed = draw(st.integers(0, 2**16))
     return make_case(
-        layout=layout, mode="decode" if mode != "prefill" else "prefill", hkv=hkv, group=group, d=d, dtype=dtype,
-        device=device, seq_lens=seq_lens, topk=topk, seed=seed, dql=dql, rows=4, pad_rows=draw(st.integers(0, 1)),
+        layout=layout,
+        mode="decode" if mode != "prefill" else "prefill",
+        hkv=hkv,
+        group=group,
+        d=d,
+        dtype=dtype,
+        device=device,
+        seq_lens=seq_lens,
+        topk=topk,
+        seed=seed,
+        dql=dql,
+        rows=4,
+        pad_rows=draw(st.integers(0, 1)),
     )
 
 
@@ -322,8 +393,16 @@ def test_property_sweep_cuda():
 def test_model_shape_cuda(dtype, batch):
     """64 query heads, 4 KV heads, head dim 128, top-k 16 over a few-thousand-token context."""
     case = make_case(
-        layout="packed", mode="decode", hkv=4, group=16, d=128, dtype=dtype, device="cuda",
-        seq_lens=[3000 + 97 * i for i in range(batch)], topk=16, seed=batch,
+        layout="packed",
+        mode="decode",
+        hkv=4,
+        group=16,
+        d=128,
+        dtype=dtype,
+        device="cuda",
+        seq_lens=[3000 + 97 * i for i in range(batch)],
+        topk=16,
+        seed=batch,
     )
     attention_every_path(case)
     out_dense, _ = run_dense(case)

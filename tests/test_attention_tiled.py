@@ -45,12 +45,26 @@ def run_tiled(case: Case, mode: str | None = None, **launch):
     lse = poison(torch.empty(n, hq, dtype=torch.float32, device=case.q.device))
     if mode is None and not launch:
         return mm3lab.sparse_attention(
-            case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx,
-            return_lse=True, out=out, algorithm="tiled",
+            case.q,
+            case.cache.k_cache,
+            case.cache.v_cache,
+            case.sparse_bt,
+            case.sparse_ctx,
+            return_lse=True,
+            out=out,
+            algorithm="tiled",
         )
     tiled.tiled_attention_kernel(
-        case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx, d ** -0.5, out, lse,
-        mode=mode or "auto", **launch,
+        case.q,
+        case.cache.k_cache,
+        case.cache.v_cache,
+        case.sparse_bt,
+        case.sparse_ctx,
+        d**-0.5,
+        out,
+        lse,
+        mode=mode or "auto",
+        **launch,
     )
     return out, lse
 
@@ -78,8 +92,16 @@ def make_chunk_case(
     ``overlap = 1`` shares everything and ``overlap = 0`` is independent per row.
     """
     base = make_case(
-        layout=layout, mode="decode", hkv=hkv, group=group, d=d, dtype=dtype, device=device,
-        seq_lens=seq_lens, topk=1, seed=seed,
+        layout=layout,
+        mode="decode",
+        hkv=hkv,
+        group=group,
+        d=d,
+        dtype=dtype,
+        device=device,
+        seq_lens=seq_lens,
+        topk=1,
+        seed=seed,
     )
     g = torch.Generator().manual_seed(seed + 1)
     req = torch.cat([torch.full((c,), r) for r, c in enumerate(chunk)] + [torch.zeros(pad_rows, dtype=torch.long)])
@@ -114,8 +136,17 @@ def make_chunk_case(
     sparse_bt, sparse_ctx = build_table(topk_idx, block_table, req, pos, base.cache.block_page_stride)
     to = {"device": device}
     return Case(
-        q.to(**to), base.key, base.value, base.cache, base.block_table, base.seq_lens,
-        topk_idx.to(**to), req.to(**to), pos.to(**to), sparse_bt.to(**to), sparse_ctx.to(**to),
+        q.to(**to),
+        base.key,
+        base.value,
+        base.cache,
+        base.block_table,
+        base.seq_lens,
+        topk_idx.to(**to),
+        req.to(**to),
+        pos.to(**to),
+        sparse_bt.to(**to),
+        sparse_ctx.to(**to),
     )
 
 
@@ -138,8 +169,18 @@ def test_tiled_matches_references(device, layout, mode, dql, hkv, group, d):
 def test_chunk_every_tile_mode(device, tile_mode, layout, overlap):
     """Multi-request chunk (a request ending mid-page, one of length 1), padded rows."""
     case = make_chunk_case(
-        layout=layout, hkv=2, group=4, d=32, dtype=torch.float32, device=device,
-        seq_lens=[263, 1, 150], chunk=[13, 1, 9], topk=3, overlap=overlap, seed=int(overlap * 10), pad_rows=2,
+        layout=layout,
+        hkv=2,
+        group=4,
+        d=32,
+        dtype=torch.float32,
+        device=device,
+        seq_lens=[263, 1, 150],
+        chunk=[13, 1, 9],
+        topk=3,
+        overlap=overlap,
+        seed=int(overlap * 10),
+        pad_rows=2,
     )
     check_tiled(case, tile_mode, tile_rows=4)
 
@@ -147,8 +188,17 @@ def test_chunk_every_tile_mode(device, tile_mode, layout, overlap):
 @pytest.mark.parametrize("tile_rows,pages", [(8, 1), (16, 2), (32, 4)])
 def test_tile_and_step_sizes(device, tile_rows, pages):
     case = make_chunk_case(
-        layout="packed", hkv=1, group=2, d=16, dtype=torch.float16, device=device,
-        seq_lens=[333], chunk=[21], topk=4, overlap=0.7, seed=tile_rows,
+        layout="packed",
+        hkv=1,
+        group=2,
+        d=16,
+        dtype=torch.float16,
+        device=device,
+        seq_lens=[333],
+        chunk=[21],
+        topk=4,
+        overlap=0.7,
+        seed=tile_rows,
     )
     check_tiled(case, "union", tile_rows=tile_rows, pages_per_step=pages)
 
@@ -187,7 +237,7 @@ def test_raw_page_lists_with_repeats(device, tile_mode):
         expected, lse_e = mm3lab.reference.sparse_attention(q, cache.k_cache, cache.v_cache, bt, ctx, return_lse=True)
         out = poison(torch.empty_like(q))
         lse = poison(torch.empty(n, hkv * group, device=device))
-        tiled.tiled_attention_kernel(q, cache.k_cache, cache.v_cache, bt, ctx, d ** -0.5, out, lse, mode=tile_mode)
+        tiled.tiled_attention_kernel(q, cache.k_cache, cache.v_cache, bt, ctx, d**-0.5, out, lse, mode=tile_mode)
     assert_close(out, expected, atol=2e-5, rtol=2e-5)
     assert_lse_close(lse, lse_e, 1e-4, 2e-5)
 
@@ -234,10 +284,19 @@ def chunk_cases(draw, device):
     seq_lens = draw(st.lists(st.integers(1, 400), min_size=b, max_size=b))
     chunk = [draw(st.integers(1, min(s, 12))) for s in seq_lens]
     return make_chunk_case(
-        layout=draw(st.sampled_from(["dense", "packed"])), hkv=hkv, group=group, d=d,
-        dtype=draw(st.sampled_from(dtypes_for(device))), device=device, seq_lens=seq_lens, chunk=chunk,
-        topk=draw(st.integers(1, 4)), overlap=draw(st.sampled_from([0.0, 0.25, 0.5, 0.9, 1.0])),
-        seed=draw(st.integers(0, 2**16)), tile=draw(st.sampled_from([2, 4, 8])), pad_rows=draw(st.integers(0, 2)),
+        layout=draw(st.sampled_from(["dense", "packed"])),
+        hkv=hkv,
+        group=group,
+        d=d,
+        dtype=draw(st.sampled_from(dtypes_for(device))),
+        device=device,
+        seq_lens=seq_lens,
+        chunk=chunk,
+        topk=draw(st.integers(1, 4)),
+        overlap=draw(st.sampled_from([0.0, 0.25, 0.5, 0.9, 1.0])),
+        seed=draw(st.integers(0, 2**16)),
+        tile=draw(st.sampled_from([2, 4, 8])),
+        pad_rows=draw(st.integers(0, 2)),
     )
 
 
@@ -264,8 +323,18 @@ def test_property_overlap_cuda(data):
 def test_model_shape_chunk_cuda(dtype, overlap):
     """64 query heads, 4 KV heads, head dim 128, top-k 16: a 300-token chunk of two requests."""
     case = make_chunk_case(
-        layout="packed", hkv=4, group=16, d=128, dtype=dtype, device="cuda", seq_lens=[3000, 1700],
-        chunk=[200, 100], topk=16, overlap=overlap, seed=3, tile=8,
+        layout="packed",
+        hkv=4,
+        group=16,
+        d=128,
+        dtype=dtype,
+        device="cuda",
+        seq_lens=[3000, 1700],
+        chunk=[200, 100],
+        topk=16,
+        overlap=overlap,
+        seed=3,
+        tile=8,
     )
     for mode in TILE_MODES:
         check_tiled(case, mode)

@@ -72,8 +72,17 @@ def test_unavailable_backend_raises_clearly():
 
 def test_info_keys():
     data = mm3lab.info()
-    for key in ("mm3lab", "python", "torch", "triton", "cuda_available", "device", "backend",
-                "triton_interpreter", "available_backends"):
+    for key in (
+        "mm3lab",
+        "python",
+        "torch",
+        "triton",
+        "cuda_available",
+        "device",
+        "backend",
+        "triton_interpreter",
+        "available_backends",
+    ):
         assert key in data, key
     assert data["backend"] == mm3lab.get_backend()
     assert data["cuda_available"] is HAS_CUDA
@@ -248,7 +257,11 @@ def test_a_plan_on_the_pytorch_path_names_its_rule():
     layer = synthetic_layer(200, dtype=torch.bfloat16)
     with backend.record_fallbacks() as taken:
         plan = mm3lab.MSADecodePlan(
-            layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, batch=1, max_blocks=4,
+            layer.cache.k_cache,
+            layer.cache.v_cache,
+            layer.index_cache,
+            batch=1,
+            max_blocks=4,
             num_q_heads=layer.q.shape[1],
         )
     assert not plan.uses_kernels

@@ -14,8 +14,26 @@ from benchmarks import suites
 from benchmarks.common import bench, num_sets, time_eager
 from mm3lab.constants import SPARSE_BLOCK_SIZE
 
-RECORD_KEYS = {"suite", "name", "gpu", "torch", "triton", "shape", "ms", "baseline", "baseline_ms", "speedup", "bytes",
-               "achieved_TBps", "fraction_of_copy_bw", "mode", "cv", "samples", "validation", "fallback"}
+RECORD_KEYS = {
+    "suite",
+    "name",
+    "gpu",
+    "torch",
+    "triton",
+    "shape",
+    "ms",
+    "baseline",
+    "baseline_ms",
+    "speedup",
+    "bytes",
+    "achieved_TBps",
+    "fraction_of_copy_bw",
+    "mode",
+    "cv",
+    "samples",
+    "validation",
+    "fallback",
+}
 
 
 def _main(argv) -> int:
@@ -35,8 +53,17 @@ def test_dry_run_covers_every_suite(tmp_path):
     assert "cold L2" in payload["meta"]["method"]
     records = payload["records"]
     names = {r["name"] for r in records}
-    assert {"sparse_attention", "attention_prefill", "spec_decode_attention", "block_table_decode",
-            "indexer_decode", "topk", "index_cache_insert", "msa_decode", "msa_decode_plan"} <= names
+    assert {
+        "sparse_attention",
+        "attention_prefill",
+        "spec_decode_attention",
+        "block_table_decode",
+        "indexer_decode",
+        "topk",
+        "index_cache_insert",
+        "msa_decode",
+        "msa_decode_plan",
+    } <= names
     assert set(payload["meta"]["suite_seconds"]) == set(suites.SUITES)
     assert {r["suite"] for r in records} <= set(suites.SUITES) | {"setup"}
     prefill = [r for r in records if r["name"] == "attention_prefill"]
@@ -52,10 +79,17 @@ def test_dry_run_covers_every_suite(tmp_path):
         assert r["mode"] == "eager" and r["samples"] == 2 and r["ms"] > 0
         assert r["validation"] in (True, False)
     baselines = {(r["name"], r["baseline"]) for r in records}
-    for want in [("sparse_attention", "dense_sdpa"), ("sparse_attention", "gather_sdpa"),
-                 ("spec_decode_attention", "per_token_kernel"), ("attention_prefill", "dense_sdpa"),
-                 ("sparse_attention", "flex_attention"), ("attention_prefill", "flex_attention"),
-                 ("msa_decode", "dense_sdpa"), ("msa_decode", "gather_sdpa"), ("topk", "torch_topk")]:
+    for want in [
+        ("sparse_attention", "dense_sdpa"),
+        ("sparse_attention", "gather_sdpa"),
+        ("spec_decode_attention", "per_token_kernel"),
+        ("attention_prefill", "dense_sdpa"),
+        ("sparse_attention", "flex_attention"),
+        ("attention_prefill", "flex_attention"),
+        ("msa_decode", "dense_sdpa"),
+        ("msa_decode", "gather_sdpa"),
+        ("topk", "torch_topk"),
+    ]:
         assert want in baselines
     validation = {(r["name"], r["validation"]) for r in records}
     assert ("msa_decode", True) in validation and ("msa_decode", False) in validation
@@ -63,8 +97,21 @@ def test_dry_run_covers_every_suite(tmp_path):
 
 def test_stage_breakdown_runs_the_kernels(tmp_path):
     out = tmp_path / "stages.json"
-    rc = _main(["--dry-run", "--backend", "interpret", "--only", "msa_decode_stages", "--out", str(out),
-                "--calls", "1", "--samples", "1"])
+    rc = _main(
+        [
+            "--dry-run",
+            "--backend",
+            "interpret",
+            "--only",
+            "msa_decode_stages",
+            "--out",
+            str(out),
+            "--calls",
+            "1",
+            "--samples",
+            "1",
+        ]
+    )
     assert rc == 0
     records = json.loads(out.read_text())["records"]
     stages = [r["shape"]["stage"] for r in records if r["name"] == "msa_decode_stage"]
@@ -73,8 +120,9 @@ def test_stage_breakdown_runs_the_kernels(tmp_path):
 
 def test_runs_of_some_suites_merge_into_one_file(tmp_path):
     out = tmp_path / "halves.json"
-    assert _main(["--dry-run", "--only", "topk", "index_cache", "--out", str(out), "--calls", "1",
-                  "--samples", "1"]) == 0
+    assert (
+        _main(["--dry-run", "--only", "topk", "index_cache", "--out", str(out), "--calls", "1", "--samples", "1"]) == 0
+    )
     assert _main(["--dry-run", "--only", "block_table", "--out", str(out), "--calls", "1", "--samples", "1"]) == 0
     first = json.loads(out.read_text())
     assert {r["suite"] for r in first["records"]} == {"topk", "index_cache", "block_table"}
@@ -87,8 +135,10 @@ def test_runs_of_some_suites_merge_into_one_file(tmp_path):
     assert again["meta"]["suites"] == ["index_cache", "block_table", "topk"]
     # --fresh starts over; --merge joins files without running anything
     other = tmp_path / "other.json"
-    assert _main(["--dry-run", "--fresh", "--only", "index_cache", "--out", str(other), "--calls", "1",
-                  "--samples", "1"]) == 0
+    assert (
+        _main(["--dry-run", "--fresh", "--only", "index_cache", "--out", str(other), "--calls", "1", "--samples", "1"])
+        == 0
+    )
     assert {r["suite"] for r in json.loads(other.read_text())["records"]} == {"index_cache"}
     merged = tmp_path / "merged.json"
     assert _main(["--merge", str(out), str(other), "--out", str(merged)]) == 0
@@ -99,8 +149,10 @@ def test_runs_of_some_suites_merge_into_one_file(tmp_path):
 
 def test_a_spent_budget_skips_shapes_and_says_so(tmp_path):
     out = tmp_path / "budget.json"
-    assert _main(["--dry-run", "--only", "topk", "--budget", "1e-9", "--out", str(out), "--calls", "1",
-                  "--samples", "1"]) == 0
+    assert (
+        _main(["--dry-run", "--only", "topk", "--budget", "1e-9", "--out", str(out), "--calls", "1", "--samples", "1"])
+        == 0
+    )
     payload = json.loads(out.read_text())
     assert not [r for r in payload["records"] if r["name"] == "topk"]
     assert any("topk" in n and "budget" in n for n in payload["meta"]["skipped"])
@@ -108,8 +160,16 @@ def test_a_spent_budget_skips_shapes_and_says_so(tmp_path):
 
 def test_goal_check():
     def rec(name, shape, ms, mode="eager", validation=True, baseline=None, speedup=None, **kw):
-        return {"name": name, "shape": shape, "ms": ms, "mode": mode, "validation": validation,
-                "baseline": baseline, "speedup": speedup, **kw}
+        return {
+            "name": name,
+            "shape": shape,
+            "ms": ms,
+            "mode": mode,
+            "validation": validation,
+            "baseline": baseline,
+            "speedup": speedup,
+            **kw,
+        }
 
     b1 = {"batch": 1, "context": 131072}
     records = [
@@ -182,7 +242,7 @@ def test_flex_decode_block_mask_matches_sparse_attention():
     with _no_warning_check():
         got = flex_attention(q.view(batch, hq, 1, d), kd, vd, block_mask=mask, enable_gqa=True)
     torch.testing.assert_close(got.view(batch, hq, d), want, atol=1e-5, rtol=1e-5)
-    err = suites.check_flex_decode(got, q, kd, vd, topk_idx, seq_lens, d ** -0.5)
+    err = suites.check_flex_decode(got, q, kd, vd, topk_idx, seq_lens, d**-0.5)
     assert err < 1e-5
     # the causal-only mask (used compiled, where only listed blocks are visited) is the selection's block list
     causal = suites.flex_decode_inputs(topk_idx, suites.flex_causal(seq_lens), hq // hkv, m, context)

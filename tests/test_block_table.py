@@ -98,8 +98,9 @@ def test_worked_examples(device, dtype, topk, table, seq_len, physical, ctx, str
     sbt, sctx = build_every_path(build_sparse_block_table_prefill, args, {"block_page_stride": stride}, 1, 1, 3, device)
     assert sbt[0, 0].tolist() == expected and sctx.tolist() == [[ctx]]
     # And through the upstream names (H = 1, head dimension dropped).
-    sbt, sctx = vllm.minimax_m3_build_sparse_block_table_decode(args[0], bt, torch.tensor([seq_len], device=device),
-                                                                block_page_stride=stride)
+    sbt, sctx = vllm.minimax_m3_build_sparse_block_table_decode(
+        args[0], bt, torch.tensor([seq_len], device=device), block_page_stride=stride
+    )
     assert sbt.shape == (1, 24) and sbt[0].tolist() == expected and sctx.tolist() == [ctx]
 
 
@@ -128,8 +129,15 @@ def test_duplicates_are_attended_once(device, stride):
     # Tail (block 2) named three times, full block 0 twice; p = 300 -> self_blk = 2.
     t = torch.tensor([[[2, 0, 2, 0, 1, 2]]], device=device)
     bt = torch.tensor([[10, 11, 12]], device=device)
-    sbt, ctx = build_every_path(build_sparse_block_table_decode, (t, bt, torch.tensor([301], device=device)),
-                             {"block_page_stride": stride}, 1, 1, 6, device)
+    sbt, ctx = build_every_path(
+        build_sparse_block_table_decode,
+        (t, bt, torch.tensor([301], device=device)),
+        {"block_page_stride": stride},
+        1,
+        1,
+        6,
+        device,
+    )
     expected = pages_of(10, stride) + pages_of(11, stride) + pages_of(12, stride) + [0] * (3 * PAGES)
     assert sbt[0, 0].tolist() == expected
     assert ctx.item() == 2 * BLOCK + (301 - 2 * BLOCK)
@@ -139,8 +147,9 @@ def test_blocks_after_the_query_and_padding_are_dropped(device):
     # dql = 3 rows of one request at p = 126, 127, 128: block 1 is future, then the tail.
     t = torch.tensor([[[1, 0, -1]] * 3], device=device)
     bt = torch.tensor([[5, 7]], device=device)
-    sbt, ctx = build_every_path(build_sparse_block_table_decode, (t, bt, torch.tensor([129], device=device), 3), {},
-                             1, 3, 3, device)
+    sbt, ctx = build_every_path(
+        build_sparse_block_table_decode, (t, bt, torch.tensor([129], device=device), 3), {}, 1, 3, 3, device
+    )
     assert ctx.tolist() == [[127, 128, 129]]
     assert sbt[0, 0].tolist() == pages_of(5, 8) + [0] * 16  # block 0 is the tail of rows 0 and 1
     assert sbt[0, 2].tolist() == pages_of(5, 8) + pages_of(7, 8) + [0] * 8
@@ -150,8 +159,9 @@ def test_speculative_decode_rows_with_padding(device):
     # seq_len 1 with dql 3: rows at p = -2, -1 are padded, row 2 at p = 0.
     t = torch.tensor([[[0, -1]] * 3], device=device)
     bt = torch.tensor([[9]], device=device)
-    sbt, ctx = build_every_path(build_sparse_block_table_decode, (t, bt, torch.tensor([1], device=device), 3), {},
-                             1, 3, 2, device)
+    sbt, ctx = build_every_path(
+        build_sparse_block_table_decode, (t, bt, torch.tensor([1], device=device), 3), {}, 1, 3, 2, device
+    )
     assert ctx.tolist() == [[0, 0, 1]]
     assert sbt[0, :2].eq(0).all() and sbt[0, 2].tolist() == pages_of(9, 8) + [0] * 8
 
@@ -344,8 +354,10 @@ def test_vllm_names_match_reference(data):
 @settings(max_examples=300)
 @given(data=st.data())
 def test_sweep_on_gpu(data):
-    for entry, cases in ((build_sparse_block_table_decode, decode_cases), (build_sparse_block_table_prefill,
-                                                                          prefill_cases)):
+    for entry, cases in (
+        (build_sparse_block_table_decode, decode_cases),
+        (build_sparse_block_table_prefill, prefill_cases),
+    ):
         _check_case(entry, data.draw(cases("cuda")), "cuda")
 
 
@@ -381,8 +393,11 @@ DECODE_BAD = [
     (dict(decode_query_len=0), ValueError, "decode_query_len: expected an int >= 1"),
     (dict(decode_query_len=2.0), TypeError, "decode_query_len"),
     (dict(block_page_stride=4), ValueError, "block_page_stride: expected 8"),
-    (dict(seq_lens=torch.tensor([257])), ValueError,
-     "seq_lens: request 0 has seq_len 257, but its block_table row holds 2"),
+    (
+        dict(seq_lens=torch.tensor([257])),
+        ValueError,
+        "seq_lens: request 0 has seq_len 257, but its block_table row holds 2",
+    ),
     (dict(topk_idx=torch.tensor([[[0, -1], [1, 2]]])), ValueError, "topk_idx: head 0, row 1 selects block 2"),
 ]
 
@@ -488,8 +503,19 @@ def _countdown_rows(pos_ptr, bt_ptr, M, out_ptr, ctx_ptr, K, K_BLOCK: tl.constex
     p = tl.load(pos_ptr + n)
     slots = tl.arange(0, K_BLOCK)
     blk = tl.where(slots < K, p // _BLOCK_C - slots, -1)
-    ctx = emit_sparse_block_table_row(blk, p, bt_ptr, 1, M, out_ptr + n * K * _PAGES_C, K, K_BLOCK=K_BLOCK,
-                                      BLOCK_PAGE_STRIDE=STRIDE, SPARSE_BLOCK=_BLOCK_C, PAGES=_PAGES_C)
+    ctx = emit_sparse_block_table_row(
+        blk,
+        p,
+        bt_ptr,
+        1,
+        M,
+        out_ptr + n * K * _PAGES_C,
+        K,
+        K_BLOCK=K_BLOCK,
+        BLOCK_PAGE_STRIDE=STRIDE,
+        SPARSE_BLOCK=_BLOCK_C,
+        PAGES=_PAGES_C,
+    )
     tl.store(ctx_ptr + n, ctx)
 
 

@@ -54,8 +54,9 @@ def test_sparse_row_draws_the_reference_row(topk, p, stride):
     ax_row, ax_tok = fig.axes
     row, ctx = sparse_block_table_row(topk, TABLE, p, stride)
     # one cell per entry, labelled with the reference's page id, in order
-    cells = sorted((c for c in ax_row.patches if c.get_gid() and c.get_gid().startswith("page-")),
-                   key=lambda c: c.get_x())
+    cells = sorted(
+        (c for c in ax_row.patches if c.get_gid() and c.get_gid().startswith("page-")), key=lambda c: c.get_x()
+    )
     assert len(cells) == len(topk) * 8
     labels = [t for t in texts(ax_row) if t.isdigit()]
     assert labels == [str(v) for v in row]
@@ -105,7 +106,7 @@ def test_prefill_chunk_staircase():
     for i in range(length):
         p = start + i
         assert (mask[i] >= 2).sum() == len(attended_tokens([1, 0], p))
-        assert (mask[i, p + 1:] == 0).all()
+        assert (mask[i, p + 1 :] == 0).all()
     # consecutive tokens in block 0 share it as their tail; from p = 128 block 0 is full, block 1 the tail
     assert (mask[:8, :128] == 3).sum() == sum(p % 128 + 1 for p in range(120, 128))
     assert (mask[8:, :128] == 2).all() and (mask[8:, 128] == 3).all()
@@ -178,8 +179,10 @@ def test_explain_duplicates_padding_and_no_tail():
 
 
 def test_cli_explain(capsys):
-    assert cli.main(["explain", "--topk", "1", "0", "-1", "--block-table", "5", "7", "--seq-len", "129",
-                     "--stride", "16"]) == 0
+    assert (
+        cli.main(["explain", "--topk", "1", "0", "-1", "--block-table", "5", "7", "--seq-len", "129", "--stride", "16"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "80..87" in out and "112..119" in out and "= 129" in out
     assert cli.main(["explain", "--topk", "1", "0", "--block-table", "5", "--seq-len", "129"]) == 2
@@ -191,7 +194,27 @@ def test_cli_explain(capsys):
 
 
 def test_cli_explain_as_a_command():
-    out = subprocess.run([sys.executable, "-m", "mm3lab", "explain", "--topk", "0", "1", "2", "--block-table",
-                          "5", "6", "7", "0", "--seq-len", "300"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mm3lab",
+            "explain",
+            "--topk",
+            "0",
+            "1",
+            "2",
+            "--block-table",
+            "5",
+            "6",
+            "7",
+            "0",
+            "--seq-len",
+            "300",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "40..63" not in out.stdout and "72..79" not in out.stdout and "56..63" in out.stdout
     assert "= 2 * 128 + (300 - 2 * 128) = 300" in out.stdout

@@ -39,8 +39,17 @@ def check_flex(case, decode_query_len=None, atol=2e-5, rtol=2e-5):
 @pytest.mark.parametrize("dql", [1, 3])
 def test_decode_forms_match(device, layout, dql):
     case = make_case(
-        layout=layout, mode="decode", hkv=2, group=2, d=32, dtype=torch.float32, device=device,
-        seq_lens=[300, 2, 141], topk=3, seed=11 + dql, dql=dql,
+        layout=layout,
+        mode="decode",
+        hkv=2,
+        group=2,
+        d=32,
+        dtype=torch.float32,
+        device=device,
+        seq_lens=[300, 2, 141],
+        topk=3,
+        seed=11 + dql,
+        dql=dql,
     )
     check_flex(case, decode_query_len=dql)
     check_flex(case)
@@ -50,16 +59,36 @@ def test_decode_forms_match(device, layout, dql):
 def test_prefill_chunk_matches(device, overlap):
     """A multi-request chunk with a tail mid-page, duplicates and padded rows."""
     case = make_chunk_case(
-        layout="packed", hkv=2, group=2, d=32, dtype=torch.float32, device=device,
-        seq_lens=[270, 1, 150], chunk=[140, 1, 9], topk=3, overlap=overlap, seed=4, pad_rows=2,
+        layout="packed",
+        hkv=2,
+        group=2,
+        d=32,
+        dtype=torch.float32,
+        device=device,
+        seq_lens=[270, 1, 150],
+        chunk=[140, 1, 9],
+        topk=3,
+        overlap=overlap,
+        seed=4,
+        pad_rows=2,
     )
     check_flex(case)
 
 
 def test_random_prefill_rows_match(device):
     case = make_case(
-        layout="dense", mode="prefill", hkv=1, group=4, d=16, dtype=torch.float32, device=device,
-        seq_lens=[300, 129], topk=2, seed=9, rows=20, pad_rows=3,
+        layout="dense",
+        mode="prefill",
+        hkv=1,
+        group=4,
+        d=16,
+        dtype=torch.float32,
+        device=device,
+        seq_lens=[300, 129],
+        topk=2,
+        seed=9,
+        rows=20,
+        pad_rows=3,
     )
     check_flex(case)
 

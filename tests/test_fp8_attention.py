@@ -54,7 +54,12 @@ def test_write_matches_reference_bits(device, layout, dtype):
     for write in (mm3lab.write_kv_page16, R.write_kv_page16):
         c = mm3lab.allocate_kv_cache(3, 2, 64, layout, dtype=FP8_DTYPE, device=device, fill=0.0)
         write(
-            key.to(device), value.to(device), c.k_cache, c.v_cache, slots.to(device), k_scale=c.k_scale,
+            key.to(device),
+            value.to(device),
+            c.k_cache,
+            c.v_cache,
+            slots.to(device),
+            k_scale=c.k_scale,
             v_scale=c.v_scale,
         )
         got.append((c.kv.view(torch.uint8).cpu(), c.scale.cpu()))
@@ -83,7 +88,9 @@ def test_attention_tolerances(device, layout, dtype):
 
 @settings(max_examples=15)
 @given(
-    seed=st.integers(0, 2**16), layout=st.sampled_from(LAYOUTS), topk=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+    layout=st.sampled_from(LAYOUTS),
+    topk=st.integers(1, 3),
     group=st.sampled_from([1, 4, 16]),
 )
 def test_attention_property(seed, layout, topk, group):

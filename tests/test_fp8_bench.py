@@ -9,8 +9,25 @@ from benchmarks import __main__ as cli
 from benchmarks import fp8 as grid
 from benchmarks import suites
 
-RECORD_KEYS = {"name", "gpu", "torch", "triton", "shape", "ms", "baseline", "baseline_ms", "speedup", "bytes",
-               "achieved_TBps", "fraction_of_copy_bw", "mode", "cv", "samples", "validation", "fallback"}
+RECORD_KEYS = {
+    "name",
+    "gpu",
+    "torch",
+    "triton",
+    "shape",
+    "ms",
+    "baseline",
+    "baseline_ms",
+    "speedup",
+    "bytes",
+    "achieved_TBps",
+    "fraction_of_copy_bw",
+    "mode",
+    "cv",
+    "samples",
+    "validation",
+    "fallback",
+}
 
 
 def test_grid_cells_cover_the_grid_goals_first():

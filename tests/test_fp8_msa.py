@@ -20,8 +20,19 @@ DT = torch.float32  # the interpreter's bf16 arithmetic is inexact
 
 
 def _layer(device, dql=1, layout="packed", batch=2, context=300, seed=0):
-    return synthetic_layer(context, batch=batch, num_kv_heads=2, group_size=2, head_dim=16, index_dim=32,
-                           layout=layout, decode_query_len=dql, dtype=DT, device=device, seed=seed)
+    return synthetic_layer(
+        context,
+        batch=batch,
+        num_kv_heads=2,
+        group_size=2,
+        head_dim=16,
+        index_dim=32,
+        layout=layout,
+        decode_query_len=dql,
+        dtype=DT,
+        device=device,
+        seed=seed,
+    )
 
 
 def _fp8_caches(layer, index=True, kv=True):
@@ -29,15 +40,21 @@ def _fp8_caches(layer, index=True, kv=True):
     c = layer.cache
     out = {"k_cache": c.k_cache, "v_cache": c.v_cache, "index_cache": layer.index_cache}
     if kv:
-        c8 = mm3lab.allocate_kv_cache(c.num_blocks, c.num_kv_heads, c.head_dim, c.layout, dtype=FP8_DTYPE,
-                                      device=c.kv.device, fill=0.0)
+        c8 = mm3lab.allocate_kv_cache(
+            c.num_blocks, c.num_kv_heads, c.head_dim, c.layout, dtype=FP8_DTYPE, device=c.kv.device, fill=0.0
+        )
         vals, scale = quantize(c.kv)
         c8.kv.copy_(vals)
         c8.scale.copy_(scale)
         out.update(k_cache=c8.k_cache, v_cache=c8.v_cache, k_scale=c8.k_scale, v_scale=c8.v_scale, _kv=c8)
     if index:
-        ic = mm3lab.allocate_index_cache(layer.index_cache.shape[0], layer.index_cache.shape[2], dtype=FP8_DTYPE,
-                                         device=layer.index_cache.device, fill=0.0)
+        ic = mm3lab.allocate_index_cache(
+            layer.index_cache.shape[0],
+            layer.index_cache.shape[2],
+            dtype=FP8_DTYPE,
+            device=layer.index_cache.device,
+            fill=0.0,
+        )
         isc = mm3lab.allocate_index_scale(ic.shape[0], device=ic.device)
         vals, scale = quantize(layer.index_cache)
         ic.copy_(vals)
@@ -64,8 +81,16 @@ def _clone(caches):
 
 
 def _inputs(layer, caches):
-    args = {"q": layer.q, "key": layer.key, "value": layer.value, "index_q": layer.index_q, "index_k": layer.index_k,
-                "block_table": layer.block_table, "seq_lens": layer.seq_lens, "decode_query_len": layer.decode_query_len}
+    args = {
+        "q": layer.q,
+        "key": layer.key,
+        "value": layer.value,
+        "index_q": layer.index_q,
+        "index_k": layer.index_k,
+        "block_table": layer.block_table,
+        "seq_lens": layer.seq_lens,
+        "decode_query_len": layer.decode_query_len,
+    }
     args.update({k: v for k, v in caches.items() if not k.startswith("_")})
     return args
 
@@ -96,7 +121,9 @@ def test_msa_decode_fp8_kernels_match_torch_path(index, kv, layout, dql):
 def test_msa_decode_fp8_stays_near_full_precision():
     """FP8 caches against the float32 step: the needle pattern selects the same blocks."""
     layer = _layer("cpu", dql=1)
-    want, step32 = mm3lab.msa_decode(**_inputs(layer, _fp8_caches(layer, False, False)), topk=3, return_intermediates=True)
+    want, step32 = mm3lab.msa_decode(
+        **_inputs(layer, _fp8_caches(layer, False, False)), topk=3, return_intermediates=True
+    )
     layer = _layer("cpu", dql=1)
     got, step8 = mm3lab.msa_decode(**_inputs(layer, _fp8_caches(layer)), topk=3, return_intermediates=True)
     assert torch.equal(step8.topk_idx, step32.topk_idx)
@@ -117,9 +144,19 @@ def test_msa_prefill_fp8_kernels_match_torch_path():
     for name in ("kernels", "torch"):
         caches = {k: v for k, v in _clone(base).items()}
         with mm3lab.use_backend(mm3lab.get_backend() if name == "kernels" else "torch"):
-            out, step = mm3lab.msa_prefill(q, key, value, index_q, index_k, block_table=layer.block_table,
-                                           query_req_id=req, query_abs_pos=pos, topk=2, return_intermediates=True,
-                                           **caches)
+            out, step = mm3lab.msa_prefill(
+                q,
+                key,
+                value,
+                index_q,
+                index_k,
+                block_table=layer.block_table,
+                query_req_id=req,
+                query_abs_pos=pos,
+                topk=2,
+                return_intermediates=True,
+                **caches,
+            )
         outs.append((out, step))
     assert torch.equal(outs[0][1].topk_idx, outs[1][1].topk_idx)
     assert (outs[0][0][:3] - outs[1][0][:3]).abs().max().item() <= ATTENTION_FP8_DEQUANT_ATOL
@@ -162,24 +199,70 @@ def test_fp8_decode_plan_is_bit_identical_to_msa_decode():
     want = mm3lab.msa_decode(**_inputs(layer, one), topk=3)
     two = _clone(base)
     plan = mm3lab.MSADecodePlan(
-        two["k_cache"], two["v_cache"], two["index_cache"], batch=2, max_blocks=layer.block_table.shape[1],
-        num_q_heads=layer.q.shape[1], decode_query_len=2, topk=3, index_scale=two["index_scale"],
-        k_scale=two["k_scale"], v_scale=two["v_scale"], query_dtype=DT)
+        two["k_cache"],
+        two["v_cache"],
+        two["index_cache"],
+        batch=2,
+        max_blocks=layer.block_table.shape[1],
+        num_q_heads=layer.q.shape[1],
+        decode_query_len=2,
+        topk=3,
+        index_scale=two["index_scale"],
+        k_scale=two["k_scale"],
+        v_scale=two["v_scale"],
+        query_dtype=DT,
+    )
     assert plan.uses_kernels
-    got = plan.run(layer.q, layer.key, layer.value, layer.index_q, layer.index_k, two["k_cache"], two["v_cache"],
-                   two["index_cache"], layer.block_table, layer.seq_lens, index_scale=two["index_scale"],
-                   k_scale=two["k_scale"], v_scale=two["v_scale"])
+    got = plan.run(
+        layer.q,
+        layer.key,
+        layer.value,
+        layer.index_q,
+        layer.index_k,
+        two["k_cache"],
+        two["v_cache"],
+        two["index_cache"],
+        layer.block_table,
+        layer.seq_lens,
+        index_scale=two["index_scale"],
+        k_scale=two["k_scale"],
+        v_scale=two["v_scale"],
+    )
     assert torch.equal(got, want)
     for name in one:
         assert torch.equal(_bits(one[name]), _bits(two[name])), name
     with pytest.raises(ValueError, match="k_scale"):
-        plan.run(layer.q, layer.key, layer.value, layer.index_q, layer.index_k, two["k_cache"], two["v_cache"],
-                 two["index_cache"], layer.block_table, layer.seq_lens, index_scale=two["index_scale"],
-                 k_scale=None, v_scale=two["v_scale"])
+        plan.run(
+            layer.q,
+            layer.key,
+            layer.value,
+            layer.index_q,
+            layer.index_k,
+            two["k_cache"],
+            two["v_cache"],
+            two["index_cache"],
+            layer.block_table,
+            layer.seq_lens,
+            index_scale=two["index_scale"],
+            k_scale=None,
+            v_scale=two["v_scale"],
+        )
     with pytest.raises(TypeError, match="q"):
-        plan.run(layer.q.half(), layer.key, layer.value, layer.index_q, layer.index_k, two["k_cache"],
-                 two["v_cache"], two["index_cache"], layer.block_table, layer.seq_lens,
-                 index_scale=two["index_scale"], k_scale=two["k_scale"], v_scale=two["v_scale"])
+        plan.run(
+            layer.q.half(),
+            layer.key,
+            layer.value,
+            layer.index_q,
+            layer.index_k,
+            two["k_cache"],
+            two["v_cache"],
+            two["index_cache"],
+            layer.block_table,
+            layer.seq_lens,
+            index_scale=two["index_scale"],
+            k_scale=two["k_scale"],
+            v_scale=two["v_scale"],
+        )
 
 
 def test_fp8_prefill_plan_is_bit_identical_to_msa_prefill():
@@ -187,16 +270,29 @@ def test_fp8_prefill_plan_is_bit_identical_to_msa_prefill():
     base = _fp8_caches(layer)
     req = torch.zeros(2, dtype=torch.int32)
     pos = torch.tensor([258, 259], dtype=torch.int32)
-    args = (layer.q.repeat(2, 1, 1), layer.key.repeat(2, 1, 1), layer.value.repeat(2, 1, 1),
-            layer.index_q.repeat(2, 1, 1), layer.index_k.repeat(2, 1))
+    args = (
+        layer.q.repeat(2, 1, 1),
+        layer.key.repeat(2, 1, 1),
+        layer.value.repeat(2, 1, 1),
+        layer.index_q.repeat(2, 1, 1),
+        layer.index_k.repeat(2, 1),
+    )
     one = _clone(base)
-    want = mm3lab.msa_prefill(*args, block_table=layer.block_table, query_req_id=req, query_abs_pos=pos, topk=2,
-                              **one)
+    want = mm3lab.msa_prefill(*args, block_table=layer.block_table, query_req_id=req, query_abs_pos=pos, topk=2, **one)
     two = _clone(base)
     scales = {k: two[k] for k in ("index_scale", "k_scale", "v_scale")}
-    plan = mm3lab.MSAPrefillPlan(two["k_cache"], two["v_cache"], two["index_cache"], num_tokens=2, batch=1,
-                                 max_blocks=layer.block_table.shape[1], num_q_heads=layer.q.shape[1], topk=2,
-                                 query_dtype=DT, **scales)
+    plan = mm3lab.MSAPrefillPlan(
+        two["k_cache"],
+        two["v_cache"],
+        two["index_cache"],
+        num_tokens=2,
+        batch=1,
+        max_blocks=layer.block_table.shape[1],
+        num_q_heads=layer.q.shape[1],
+        topk=2,
+        query_dtype=DT,
+        **scales,
+    )
     got = plan.run(*args, two["k_cache"], two["v_cache"], two["index_cache"], layer.block_table, req, pos, **scales)
     assert torch.equal(got, want)
 
@@ -204,10 +300,22 @@ def test_fp8_prefill_plan_is_bit_identical_to_msa_prefill():
 def test_plan_rejects_scales_it_was_not_planned_with():
     layer = _layer("cpu")
     with pytest.raises(ValueError, match="k_scale"):
-        mm3lab.MSADecodePlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, batch=2,
-                             max_blocks=layer.block_table.shape[1], num_q_heads=layer.q.shape[1],
-                             k_scale=torch.ones(1))
+        mm3lab.MSADecodePlan(
+            layer.cache.k_cache,
+            layer.cache.v_cache,
+            layer.index_cache,
+            batch=2,
+            max_blocks=layer.block_table.shape[1],
+            num_q_heads=layer.q.shape[1],
+            k_scale=torch.ones(1),
+        )
     with pytest.raises(TypeError, match="query_dtype"):
-        mm3lab.MSADecodePlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, batch=2,
-                             max_blocks=layer.block_table.shape[1], num_q_heads=layer.q.shape[1],
-                             query_dtype=torch.int32)
+        mm3lab.MSADecodePlan(
+            layer.cache.k_cache,
+            layer.cache.v_cache,
+            layer.index_cache,
+            batch=2,
+            max_blocks=layer.block_table.shape[1],
+            num_q_heads=layer.q.shape[1],
+            query_dtype=torch.int32,
+        )

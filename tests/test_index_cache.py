@@ -122,11 +122,15 @@ BAD = [
 
 
 @pytest.mark.parametrize("what,k_shape,k_dtype,c_shape,c_dtype,slots,error,named", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_raises_and_leaves_cache_untouched(device, what, k_shape, k_dtype, c_shape, c_dtype, slots, error,
-                                                     named):
+def test_bad_input_raises_and_leaves_cache_untouched(
+    device, what, k_shape, k_dtype, c_shape, c_dtype, slots, error, named
+):
     index_k = torch.ones(k_shape, dtype=k_dtype, device=device)
-    cache = poison(torch.empty(c_shape, dtype=c_dtype, device=device)) if c_dtype.is_floating_point else \
-        torch.full(c_shape, 7, dtype=c_dtype, device=device)
+    cache = (
+        poison(torch.empty(c_shape, dtype=c_dtype, device=device))
+        if c_dtype.is_floating_point
+        else torch.full(c_shape, 7, dtype=c_dtype, device=device)
+    )
     n = k_shape[0]
     slot_mapping = {
         "ok": torch.arange(n, device=device),
@@ -150,8 +154,9 @@ def test_non_contiguous_cache_head_dim_and_device_mix(device):
         insert_index_cache([1.0], torch.zeros(2, BLOCK, 16, device=device), torch.arange(1, device=device))
     if device == "cuda":
         with pytest.raises(ValueError, match="slot_mapping is on cpu"):
-            insert_index_cache(torch.ones(3, 16, device=device), torch.zeros(2, BLOCK, 16, device=device),
-                               torch.arange(3))
+            insert_index_cache(
+                torch.ones(3, 16, device=device), torch.zeros(2, BLOCK, 16, device=device), torch.arange(3)
+            )
 
 
 def test_slot_past_cache_with_validation_off_is_skipped(device):
@@ -187,8 +192,9 @@ def test_token_slots_follow_the_spec(device):
     with pytest.raises(ValueError, match="query_req_id: row 1"):
         token_slots(bt, torch.tensor([0, 2], device=device), torch.tensor([0, 0], device=device))
     with mm3lab.validation(False):  # unchecked: tokens outside the table are skipped, never read past it
-        got = token_slots(bt, torch.tensor([0, 2, -1, 1, 0], device=device),
-                          torch.tensor([0, 0, 5, 2 * BLOCK, 129], device=device))
+        got = token_slots(
+            bt, torch.tensor([0, 2, -1, 1, 0], device=device), torch.tensor([0, 0, 5, 2 * BLOCK, 129], device=device)
+        )
         assert got.tolist() == [3 * BLOCK, -1, -1, -1, 1 * BLOCK + 1]
 
 

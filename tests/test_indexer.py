@@ -73,8 +73,22 @@ def make_index_q(gen, n, h, di, dtype, device, values, strided):
     return q.transpose(0, 1) if strided else q
 
 
-def decode_problem(gen, *, b, m, h, di, dql, seq_lens, dtype=torch.float32, device="cpu", values=2,
-                   idx_dtype=torch.int64, strided=False, spare_blocks=1):
+def decode_problem(
+    gen,
+    *,
+    b,
+    m,
+    h,
+    di,
+    dql,
+    seq_lens,
+    dtype=torch.float32,
+    device="cpu",
+    values=2,
+    idx_dtype=torch.int64,
+    strided=False,
+    spare_blocks=1,
+):
     num_blocks = b * m + spare_blocks
     cache = make_cache(gen, num_blocks, di, dtype, device, values)
     bt = make_table(gen, b, m, num_blocks, idx_dtype, device)
@@ -83,8 +97,9 @@ def decode_problem(gen, *, b, m, h, di, dql, seq_lens, dtype=torch.float32, devi
     return q, cache, bt, torch.tensor(seq_lens, dtype=idx_dtype, device=device)
 
 
-def prefill_problem(gen, *, b, m, h, di, req, pos, dtype=torch.float32, device="cpu", values=2,
-                    idx_dtype=torch.int64, strided=False):
+def prefill_problem(
+    gen, *, b, m, h, di, req, pos, dtype=torch.float32, device="cpu", values=2, idx_dtype=torch.int64, strided=False
+):
     num_blocks = b * m + 1
     cache = make_cache(gen, num_blocks, di, dtype, device, values)
     bt = make_table(gen, b, m, num_blocks, idx_dtype, device)
@@ -246,15 +261,13 @@ _SWEEP = {  # what both sweeps draw
 
 
 @settings(max_examples=30)
-@given(
-    dql=st.integers(1, 3), lens=st.lists(_LEN, min_size=3, max_size=3), stride=st.sampled_from([8, 16]), **_SWEEP
-)
-def test_decode_sweep(h, di, b, m, dql, lens, topk, init_blocks, local_blocks, dtype, idx_dtype, strided, stride,
-                      seed):
+@given(dql=st.integers(1, 3), lens=st.lists(_LEN, min_size=3, max_size=3), stride=st.sampled_from([8, 16]), **_SWEEP)
+def test_decode_sweep(h, di, b, m, dql, lens, topk, init_blocks, local_blocks, dtype, idx_dtype, strided, stride, seed):
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [min(x, m * BLOCK) for x in lens[:b]]
-    args = decode_problem(gen, b=b, m=m, h=h, di=di, dql=dql, seq_lens=seq_lens, dtype=dtype, idx_dtype=idx_dtype,
-                          strided=strided)
+    args = decode_problem(
+        gen, b=b, m=m, h=h, di=di, dql=dql, seq_lens=seq_lens, dtype=dtype, idx_dtype=idx_dtype, strided=strided
+    )
     index_every_path("decode", args, topk, init_blocks, local_blocks, extra=(dql,), block_page_stride=stride)
 
 
@@ -271,8 +284,9 @@ def test_prefill_sweep(h, di, b, m, rows, padded, topk, init_blocks, local_block
     for i in padded:
         if i < len(pos):
             pos[i], req[i] = -1, 7  # a padded row may carry any request id
-    args = prefill_problem(gen, b=b, m=m, h=h, di=di, req=req, pos=pos, dtype=dtype, idx_dtype=idx_dtype,
-                           strided=strided)
+    args = prefill_problem(
+        gen, b=b, m=m, h=h, di=di, req=req, pos=pos, dtype=dtype, idx_dtype=idx_dtype, strided=strided
+    )
     index_every_path("prefill", args, topk, init_blocks, local_blocks)
 
 
@@ -292,12 +306,14 @@ def test_scoring_chunks_and_row_tiles(device, blocks_per_program, block_q, dtype
     """The grid split over block chunks and several row tiles per request (speculative decode:
     5 rows a request, in tiles of 1 (float32: 16 lanes) or 1 and 4 (float16: 16 or 64 lanes))."""
     gen = torch.Generator().manual_seed(blocks_per_program * 10 + block_q)
-    q, cache, bt, seq_lens = decode_problem(gen, b=2, m=5, h=16, di=16, dql=5, seq_lens=[600, 130], device=device,
-                                            dtype=dtype)
+    q, cache, bt, seq_lens = decode_problem(
+        gen, b=2, m=5, h=16, di=16, dql=5, seq_lens=[600, 130], device=device, dtype=dtype
+    )
     for forced in (False, True):
         want = reference.index_scores_decode(q, cache, bt, seq_lens, 5, 1, 1, forced=forced)
-        got = _kernel_scores(q, cache, bt, seq_lens, seq_lens, 5, False, forced,
-                             block_q=block_q, blocks_per_program=blocks_per_program)
+        got = _kernel_scores(
+            q, cache, bt, seq_lens, seq_lens, 5, False, forced, block_q=block_q, blocks_per_program=blocks_per_program
+        )
         assert_same_scores(got, want)
 
 
@@ -349,11 +365,25 @@ def test_topk_groups_and_algorithms(device, algorithm, group):
     for kind, (positions, req, pos, dql) in cases.items():
         outs = []
         for settings_ in ({}, run):
-            out = [poison(torch.empty(2, 6, topk, dtype=torch.int32, device=device)),
-                   poison(torch.empty(2, 6, topk * 8, dtype=torch.int32, device=device)),
-                   poison(torch.empty(2, 6, dtype=torch.int32, device=device))]
-            topk_kernel(scores, topk, out[0], positions=positions, req=req, pos=pos, batch=3, dql=dql,
-                        block_table=bt, sparse_bt=out[1], sparse_ctx=out[2], **settings_)
+            out = [
+                poison(torch.empty(2, 6, topk, dtype=torch.int32, device=device)),
+                poison(torch.empty(2, 6, topk * 8, dtype=torch.int32, device=device)),
+                poison(torch.empty(2, 6, dtype=torch.int32, device=device)),
+            ]
+            topk_kernel(
+                scores,
+                topk,
+                out[0],
+                positions=positions,
+                req=req,
+                pos=pos,
+                batch=3,
+                dql=dql,
+                block_table=bt,
+                sparse_bt=out[1],
+                sparse_ctx=out[2],
+                **settings_,
+            )
             outs.append(out)
         if kind == "decode":
             want = indexer_reference._topk(scores, indexer_reference._decode_rows(seq_lens, 2), topk)
@@ -397,8 +427,9 @@ def test_topk_blocks_wider_than_the_register_row(device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_random_float_scores_within_tolerance(device, dtype):
     gen = torch.Generator().manual_seed(9)
-    args = decode_problem(gen, b=2, m=3, h=4, di=64, dql=2, seq_lens=[384, 200], dtype=dtype, device=device,
-                          values=None)
+    args = decode_problem(
+        gen, b=2, m=3, h=4, di=64, dql=2, seq_lens=[384, 200], dtype=dtype, device=device, values=None
+    )
     got = indexer.index_scores_decode(*args, 2)
     want = reference.index_scores_decode(*args, 2)
     finite = torch.isfinite(want)
@@ -427,8 +458,16 @@ def test_bf16_routes_to_torch_on_the_interpreter():
 def _decode_base(device):
     gen = torch.Generator().manual_seed(0)
     q, cache, bt, seq_lens = decode_problem(gen, b=2, m=2, h=2, di=16, dql=1, seq_lens=[100, 200], device=device)
-    return dict(index_q=q, index_cache=cache, block_table=bt, seq_lens=seq_lens, topk=2, decode_query_len=1,
-                init_blocks=0, local_blocks=1)
+    return dict(
+        index_q=q,
+        index_cache=cache,
+        block_table=bt,
+        seq_lens=seq_lens,
+        topk=2,
+        decode_query_len=1,
+        init_blocks=0,
+        local_blocks=1,
+    )
 
 
 BAD_DECODE = [
@@ -436,8 +475,12 @@ BAD_DECODE = [
     ("head dim", lambda a: a.update(index_q=a["index_q"][..., :8]), ValueError, "index_q: head dim 8"),
     ("dtype", lambda a: a.update(index_q=a["index_q"].half()), TypeError, "index_q: dtype float16"),
     ("cache block", lambda a: a.update(index_cache=a["index_cache"][:, :64]), ValueError, "index_cache: dimension 1"),
-    ("cache head dim", lambda a: a.update(index_cache=a["index_cache"].transpose(1, 2).contiguous().transpose(1, 2)),
-     ValueError, "index_cache: the last dimension must be contiguous"),
+    (
+        "cache head dim",
+        lambda a: a.update(index_cache=a["index_cache"].transpose(1, 2).contiguous().transpose(1, 2)),
+        ValueError,
+        "index_cache: the last dimension must be contiguous",
+    ),
     ("int cache", lambda a: a.update(index_cache=a["index_cache"].int()), TypeError, "index_cache: expected dtype"),
     ("table rank", lambda a: a.update(block_table=a["block_table"][0]), ValueError, "block_table: expected 2"),
     ("float table", lambda a: a.update(block_table=a["block_table"].float()), TypeError, "block_table"),
@@ -448,12 +491,24 @@ BAD_DECODE = [
     ("topk tensor", lambda a: a.update(topk=torch.tensor(2)), TypeError, "topk"),
     ("init negative", lambda a: a.update(init_blocks=-1), ValueError, "init_blocks"),
     ("local type", lambda a: a.update(local_blocks=True), TypeError, "local_blocks"),
-    ("seq_len past table", lambda a: a.update(seq_lens=torch.tensor([100, 257], device=a["seq_lens"].device)),
-     ValueError, "seq_lens: request 1 has seq_len 257"),
-    ("entry past cache", lambda a: a["block_table"].__setitem__((1, 1), 99), ValueError,
-     "block_table: request 1, logical block 1 maps to physical block 99"),
-    ("negative entry", lambda a: a["block_table"].__setitem__((0, 0), -1), ValueError,
-     "block_table: request 0, logical block 0"),
+    (
+        "seq_len past table",
+        lambda a: a.update(seq_lens=torch.tensor([100, 257], device=a["seq_lens"].device)),
+        ValueError,
+        "seq_lens: request 1 has seq_len 257",
+    ),
+    (
+        "entry past cache",
+        lambda a: a["block_table"].__setitem__((1, 1), 99),
+        ValueError,
+        "block_table: request 1, logical block 1 maps to physical block 99",
+    ),
+    (
+        "negative entry",
+        lambda a: a["block_table"].__setitem__((0, 0), -1),
+        ValueError,
+        "block_table: request 0, logical block 0",
+    ),
 ]
 
 
@@ -463,8 +518,10 @@ def test_bad_decode_input(device, what, change, error, match):
     change(a)
     fused_only = dict(block_page_stride=8)
     entries = [
-        (indexer.index_topk_decode, {}), (reference.index_topk_decode, {}),
-        (indexer.index_topk_block_table_decode, fused_only), (reference.index_topk_block_table_decode, fused_only),
+        (indexer.index_topk_decode, {}),
+        (reference.index_topk_decode, {}),
+        (indexer.index_topk_block_table_decode, fused_only),
+        (reference.index_topk_block_table_decode, fused_only),
     ]
     for entry, more in entries:
         with pytest.raises(error, match=match):
@@ -544,8 +601,9 @@ def test_cuda_long_decode(device, dtype):
     index_every_path("decode", args, 16, 0, 1, extra=(1,), block_page_stride=16)
     args = decode_problem(gen, b=2, m=m, h=4, di=128, dql=4, seq_lens=[m * BLOCK, 3000], dtype=dtype, device=device)
     index_every_path("decode", args, 16, 1, 1, extra=(4,))
-    fargs = decode_problem(gen, b=2, m=64, h=4, di=128, dql=1, seq_lens=[8192, 5000], dtype=dtype, device=device,
-                           values=None)
+    fargs = decode_problem(
+        gen, b=2, m=64, h=4, di=128, dql=1, seq_lens=[8192, 5000], dtype=dtype, device=device, values=None
+    )
     got = indexer.index_scores_decode(*fargs)
     want = reference.index_scores_decode(*fargs)
     finite = torch.isfinite(want)
@@ -557,8 +615,9 @@ def test_cuda_one_million_tokens_batch_1(device):
     _cuda_only(device)
     gen = torch.Generator().manual_seed(22)
     m = 8192
-    args = decode_problem(gen, b=1, m=m, h=4, di=128, dql=1, seq_lens=[m * BLOCK], dtype=torch.bfloat16,
-                          device=device, values=3)
+    args = decode_problem(
+        gen, b=1, m=m, h=4, di=128, dql=1, seq_lens=[m * BLOCK], dtype=torch.bfloat16, device=device, values=3
+    )
     want = reference.index_topk_decode(*args, 16)
     assert_equal_int(indexer.index_topk_decode(*args, 16), want, "topk_idx 1M")
     fused = indexer.index_topk_block_table_decode(*args, 16)

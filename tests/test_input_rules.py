@@ -48,7 +48,11 @@ def test_forced_local_block_beats_any_raw_score(value, impl, device):
 
 def test_force_scores_clamps_before_forcing():
     assert reference.force_scores([float("inf"), -float("inf"), 1e30, float("nan"), 5.0], 0, 1) == [
-        1e28, -1e28, 1e28, -1e30, 1e29
+        1e28,
+        -1e28,
+        1e28,
+        -1e30,
+        1e29,
     ]
 
 

@@ -180,8 +180,11 @@ SLOT_EXAMPLE = ([-1, 0, 127, 128, 129, 255, 256], [-1, 0, 127, 256, 257, 383, 51
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_rebase_block_table_spec_example(dtype, device):
     bt = torch.tensor([-1, 0, 3], dtype=dtype, device=device)
-    for fn in (mm3lab.rebase_block_table_to_page16, reference.rebase_block_table_to_page16,
-               vllm.minimax_m3_rebase_block_table_to_page16):
+    for fn in (
+        mm3lab.rebase_block_table_to_page16,
+        reference.rebase_block_table_to_page16,
+        vllm.minimax_m3_rebase_block_table_to_page16,
+    ):
         got = fn(bt)
         assert got.dtype == dtype and got.device == bt.device
         assert got.tolist() == [-2, 0, 6]
@@ -505,8 +508,9 @@ def test_stride8_writer_with_rebased_slots_fills_the_packed_layout(slot_dtype, d
 def write_args(layout="dense", nb=2, h=2, d=8, n=3, dtype=torch.float32):
     cache = mm3lab.allocate_kv_cache(nb, h, d, layout, dtype=dtype, fill=0.0)
     key = torch.randn(n, h, d).to(dtype)
-    return dict(key=key, value=key.clone(), k_cache=cache.k_cache, v_cache=cache.v_cache,
-                slot_mapping=torch.arange(n)), cache
+    return dict(
+        key=key, value=key.clone(), k_cache=cache.k_cache, v_cache=cache.v_cache, slot_mapping=torch.arange(n)
+    ), cache
 
 
 def _nc_last_dim(t):
@@ -523,27 +527,47 @@ BAD_WRITES = [
     ("value head dim", dict(value=lambda a: a["value"][..., :4]), ValueError, "value"),
     ("value dtype", dict(value=lambda a: a["value"].double()), TypeError, "value"),
     ("k_cache rank", dict(k_cache=lambda a: a["k_cache"].flatten(0, 1)), ValueError, "k_cache"),
-    ("k_cache page size", dict(k_cache=lambda a: a["k_cache"].reshape(-1, 8, 2, 8),
-                               v_cache=lambda a: a["v_cache"].reshape(-1, 8, 2, 8)), ValueError, "k_cache"),
+    (
+        "k_cache page size",
+        dict(k_cache=lambda a: a["k_cache"].reshape(-1, 8, 2, 8), v_cache=lambda a: a["v_cache"].reshape(-1, 8, 2, 8)),
+        ValueError,
+        "k_cache",
+    ),
     ("k_cache int dtype", dict(k_cache=lambda a: a["k_cache"].int()), TypeError, "k_cache"),
     ("k_cache last dim", dict(k_cache=lambda a: _nc_last_dim(a["k_cache"])), ValueError, "k_cache"),
     ("v_cache last dim", dict(v_cache=lambda a: _nc_last_dim(a["v_cache"])), ValueError, "v_cache"),
     ("v_cache dtype", dict(v_cache=lambda a: a["v_cache"].half()), TypeError, "v_cache"),
     ("v_cache head dim", dict(v_cache=lambda a: a["v_cache"][..., :4]), ValueError, "v_cache"),
     ("v_cache heads", dict(v_cache=lambda a: a["v_cache"][:, :, :1]), ValueError, "v_cache"),
-    ("pages fit neither (12, 12)", dict(k_cache=lambda a: a["k_cache"][:12], v_cache=lambda a: a["v_cache"][:12]),
-     ValueError, "k_cache/v_cache"),
+    (
+        "pages fit neither (12, 12)",
+        dict(k_cache=lambda a: a["k_cache"][:12], v_cache=lambda a: a["v_cache"][:12]),
+        ValueError,
+        "k_cache/v_cache",
+    ),
     ("pages fit neither (16, 12)", dict(v_cache=lambda a: a["v_cache"][:12]), ValueError, "k_cache/v_cache"),
-    ("packed k not a multiple of 16", dict(k_cache=lambda a: torch.zeros(24, 16, 2, 8),
-                                           v_cache=lambda a: torch.zeros(16, 16, 2, 8)), ValueError, "k_cache/v_cache"),
+    (
+        "packed k not a multiple of 16",
+        dict(k_cache=lambda a: torch.zeros(24, 16, 2, 8), v_cache=lambda a: torch.zeros(16, 16, 2, 8)),
+        ValueError,
+        "k_cache/v_cache",
+    ),
     ("slot float", dict(slot_mapping=lambda a: a["slot_mapping"].float()), TypeError, "slot_mapping"),
     ("slot int16", dict(slot_mapping=lambda a: a["slot_mapping"].short()), TypeError, "slot_mapping"),
     ("slot length", dict(slot_mapping=lambda a: a["slot_mapping"][:2]), ValueError, "slot_mapping"),
     ("slot rank", dict(slot_mapping=lambda a: a["slot_mapping"][None]), ValueError, "slot_mapping"),
-    ("slot past the cache", dict(slot_mapping=lambda a: torch.tensor([0, 5, 256])), ValueError,
-     r"slot_mapping: row 2 has slot 256"),
-    ("slot far past the cache", dict(slot_mapping=lambda a: torch.tensor([10**9, 5, 3])), ValueError,
-     r"slot_mapping: row 0"),
+    (
+        "slot past the cache",
+        dict(slot_mapping=lambda a: torch.tensor([0, 5, 256])),
+        ValueError,
+        r"slot_mapping: row 2 has slot 256",
+    ),
+    (
+        "slot far past the cache",
+        dict(slot_mapping=lambda a: torch.tensor([10**9, 5, 3])),
+        ValueError,
+        r"slot_mapping: row 0",
+    ),
 ]
 
 
@@ -573,8 +597,9 @@ def test_write_kv_device_mismatch(device):
     with pytest.raises(ValueError, match="v_cache is on cpu"):
         mm3lab.check_kv_views(cuda.k_cache, args["v_cache"])
     with pytest.raises(ValueError, match="slot_mapping is on cpu"):
-        mm3lab.write_kv_page16(args["key"].cuda(), args["value"].cuda(), cuda.k_cache, cuda.v_cache,
-                               args["slot_mapping"])
+        mm3lab.write_kv_page16(
+            args["key"].cuda(), args["value"].cuda(), cuda.k_cache, cuda.v_cache, args["slot_mapping"]
+        )
 
 
 def _kv(shape=(2, 2, 128, 2, 4), dtype=torch.float32):
@@ -588,8 +613,12 @@ BAD_KV = [
     ("block of 120 tokens", lambda: _kv((2, 2, 120, 2, 4)), ValueError, "kv_cache: dimension 2"),
     ("int dtype", lambda: _kv(dtype=torch.int32), TypeError, "kv_cache"),
     ("not a tensor", lambda: [[0.0]], TypeError, "kv_cache"),
-    ("neither memory order", lambda: _kv().transpose(3, 4).contiguous().transpose(3, 4), ValueError,
-     "kv_cache: strides"),
+    (
+        "neither memory order",
+        lambda: _kv().transpose(3, 4).contiguous().transpose(3, 4),
+        ValueError,
+        "kv_cache: strides",
+    ),
     ("token-major", lambda: _kv((2, 128, 2, 2, 4)).permute(0, 2, 1, 3, 4), ValueError, "kv_cache: strides"),
 ]
 
@@ -641,16 +670,23 @@ BAD_REBASE = [
     ("list table", lambda: ([1, 2], None), TypeError, "block_table"),
     ("out shape", lambda: (torch.tensor([1, 2]), torch.empty(3, dtype=torch.int64)), ValueError, "out"),
     ("out dtype", lambda: (torch.tensor([1, 2]), torch.empty(2, dtype=torch.int32)), TypeError, "out"),
-    ("out not contiguous", lambda: (torch.zeros(2, 2, dtype=torch.int64),
-                                    torch.zeros(2, 2, dtype=torch.int64).t()), ValueError, "out"),
+    (
+        "out not contiguous",
+        lambda: (torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64).t()),
+        ValueError,
+        "out",
+    ),
 ]
 
 
 @pytest.mark.parametrize("what,make,exc,match", BAD_REBASE, ids=[b[0] for b in BAD_REBASE])
 def test_rebase_bad_input(what, make, exc, match):
     bt, out = make()
-    for fn in (mm3lab.rebase_block_table_to_page16, reference.rebase_block_table_to_page16,
-               vllm.minimax_m3_rebase_block_table_to_page16):
+    for fn in (
+        mm3lab.rebase_block_table_to_page16,
+        reference.rebase_block_table_to_page16,
+        vllm.minimax_m3_rebase_block_table_to_page16,
+    ):
         with pytest.raises(exc, match=match):
             fn(bt, out=out)
 
@@ -664,8 +700,15 @@ def test_rebase_slot_mapping_bad_input():
 
 
 def test_public_names():
-    for name in ("SPARSE_BLOCK_SIZE", "PAGE_SIZE", "PAGES_PER_SPARSE_BLOCK", "PAGE16_SIDES_PER_BLOCK",
-                 "sides_are_packed", "sparse_block_page_stride", "rebase_block_table_to_page16",
-                 "rebase_slot_mapping_to_page16"):
+    for name in (
+        "SPARSE_BLOCK_SIZE",
+        "PAGE_SIZE",
+        "PAGES_PER_SPARSE_BLOCK",
+        "PAGE16_SIDES_PER_BLOCK",
+        "sides_are_packed",
+        "sparse_block_page_stride",
+        "rebase_block_table_to_page16",
+        "rebase_slot_mapping_to_page16",
+    ):
         assert hasattr(mm3lab, name) and hasattr(reference, name), name
     assert (SPARSE_BLOCK_SIZE, PAGE_SIZE, PAGES_PER_SPARSE_BLOCK, PAGE16_SIDES_PER_BLOCK) == (128, 16, 8, 2)

@@ -263,8 +263,9 @@ def test_selection_finds_the_needle():
     w = msa.attention_weights(layer.q, layer.full_key, step.query_req_id, step.query_abs_pos)
     random_layer = msa.synthetic_layer(2048, num_kv_heads=2, group_size=2, head_dim=32, index_dim=16, pattern="random")
     _, random_step = msa.msa_decode(**random_layer.inputs(), topk=2, return_intermediates=True)
-    w_random = msa.attention_weights(random_layer.q, random_layer.full_key, random_step.query_req_id,
-                                     random_step.query_abs_pos)
+    w_random = msa.attention_weights(
+        random_layer.q, random_layer.full_key, random_step.query_req_id, random_step.query_abs_pos
+    )
     # two blocks of 16 keep far more of the attention when there is structure to find
     assert msa.selected_mass(w, step.topk_idx).min() > 2 * msa.selected_mass(w_random, random_step.topk_idx).max()
 
@@ -353,11 +354,19 @@ def random_model_layer(context_len, batch, layout, dtype, device):
     rows = torch.arange(batch, device=device)
     return msa.SyntheticLayer(
         q=torch.randn(batch, hq, d, device=device, generator=g).to(dtype),
-        key=full_key[rows, last], value=full_value[rows, last],
-        index_q=torch.randn(batch, hkv, di, device=device, generator=g).to(dtype) / di ** 0.5,
-        index_k=full_index_k[rows, last], cache=cache, index_cache=index_cache, block_table=block_table,
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), decode_query_len=1,
-        full_key=full_key, full_value=full_value, sequences=(), pattern="random",
+        key=full_key[rows, last],
+        value=full_value[rows, last],
+        index_q=torch.randn(batch, hkv, di, device=device, generator=g).to(dtype) / di**0.5,
+        index_k=full_index_k[rows, last],
+        cache=cache,
+        index_cache=index_cache,
+        block_table=block_table,
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        decode_query_len=1,
+        full_key=full_key,
+        full_value=full_value,
+        sequences=(),
+        pattern="random",
     )
 
 

@@ -29,7 +29,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CELL_TIMEOUT_S = 120
 
-STARTUP = '''\
+STARTUP = """\
 import json, os
 import torch
 mode = os.environ["MM3LAB_TORCH_MODE"]
@@ -39,7 +39,7 @@ if mode == "deterministic":
 with open(os.environ["MM3LAB_CONDITIONS_LOG"], "a") as f:
     f.write(json.dumps({"mode": mode, "threads": torch.get_num_threads(),
                         "deterministic": torch.are_deterministic_algorithms_enabled()}) + "\\n")
-'''
+"""
 
 CONDITIONS = [("1", "deterministic"), ("2", "default")]
 
@@ -53,13 +53,30 @@ def test_notebooks_pass_under_condition(tmp_path, threads, mode):
     log = tmp_path / "applied.jsonl"
     env = dict(
         os.environ,
-        OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, MM3LAB_TORCH_MODE=mode,
-        MM3LAB_CONDITIONS_LOG=str(log), IPYTHONDIR=str(tmp_path / "ipython"), MPLBACKEND="Agg",
+        OMP_NUM_THREADS=threads,
+        MKL_NUM_THREADS=threads,
+        MM3LAB_TORCH_MODE=mode,
+        MM3LAB_CONDITIONS_LOG=str(log),
+        IPYTHONDIR=str(tmp_path / "ipython"),
+        MPLBACKEND="Agg",
         PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-           "--nbval", "--nbval-current-env", "--nbval-sanitize-with", "tests/nbval_sanitize.cfg",
-           f"--nbval-cell-timeout={CELL_TIMEOUT_S}", "notebooks"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:xdist",
+        "--nbval",
+        "--nbval-current-env",
+        "--nbval-sanitize-with",
+        "tests/nbval_sanitize.cfg",
+        f"--nbval-cell-timeout={CELL_TIMEOUT_S}",
+        "notebooks",
+    ]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, (
         f"nbval failed with OMP_NUM_THREADS={threads} and torch {mode}: a checked output depends on the "

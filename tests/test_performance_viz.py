@@ -14,11 +14,18 @@ from mm3lab.viz import performance
 
 def _record(name, shape, ms, baseline=None, baseline_ms=None, tbps=None):
     return {
-        "name": name, "gpu": "GPU", "torch": "t", "triton": "tr", "shape": shape, "ms": ms,
-        "baseline": baseline, "baseline_ms": baseline_ms,
+        "name": name,
+        "gpu": "GPU",
+        "torch": "t",
+        "triton": "tr",
+        "shape": shape,
+        "ms": ms,
+        "baseline": baseline,
+        "baseline_ms": baseline_ms,
         "speedup": None if baseline_ms is None else baseline_ms / ms,
         "bytes": None if tbps is None else int(tbps * 1e12 * ms * 1e-3),
-        "achieved_TBps": tbps, "fraction_of_copy_bw": None if tbps is None else tbps / 4.0,
+        "achieved_TBps": tbps,
+        "fraction_of_copy_bw": None if tbps is None else tbps / 4.0,
     }
 
 
@@ -79,8 +86,17 @@ def test_limits_are_computed_from_the_records():
     results["records"] += [
         _record("launch_empty_triton", {"grid": 1}, 0.0005),
         _record("block_table_decode", {"rows": 1}, 0.0015, "torch_ops", 0.1, 0.001),
-        {**_record("attention_prefill", {"chunk": 4, "context": 8, "q_heads": 64, "kv_heads": 4, "head_dim": 128},
-                   2.0, "dense_sdpa_causal_32k", 20.0), "attended_TFLOPs": 80.0, "baseline_TFLOPs": 600.0},
+        {
+            **_record(
+                "attention_prefill",
+                {"chunk": 4, "context": 8, "q_heads": 64, "kv_heads": 4, "head_dim": 128},
+                2.0,
+                "dense_sdpa_causal_32k",
+                20.0,
+            ),
+            "attended_TFLOPs": 80.0,
+            "baseline_TFLOPs": 600.0,
+        },
     ]
     text = "\n".join(performance.limits(results))
     assert "one row already takes 1.50 us per launch in a CUDA graph, 3.0x an empty kernel (0.50 us)" in text
@@ -92,7 +108,8 @@ def test_limits_are_computed_from_the_records():
     a64["baseline_ms"], a64["speedup"] = 1.2, 12.0
     # 15x over 1.2 ms means 80 us; 75% of copy bandwidth in 100 us would be 94% in 80 us
     assert "means 80 us, 94% of copy bandwidth on the selected bytes; the kernel reads them at 75% (100 us)" in (
-        "\n".join(performance.limits(results)))
+        "\n".join(performance.limits(results))
+    )
     assert performance.limits({"meta": RESULTS["meta"], "records": []}) == []
 
 
@@ -130,23 +147,48 @@ def _stage(stage, us, mode="graph", batch=16, context=131072, tbps=2.0):
 SCHEMA = {
     "meta": {"gpu": "GPU", "torch": "t", "triton": "tr", "copy_TBps": 4.0, "method": "synthetic"},
     "records": [
-        _stage("insert", 5), _stage("indexer_scores", 100), _stage("topk", 40), _stage("block_table", 5),
-        _stage("attention", 150), _stage("topk_block_table", 42), _stage("total", 310), _stage("total", 650, "eager"),
+        _stage("insert", 5),
+        _stage("indexer_scores", 100),
+        _stage("topk", 40),
+        _stage("block_table", 5),
+        _stage("attention", 150),
+        _stage("topk_block_table", 42),
+        _stage("total", 310),
+        _stage("total", 650, "eager"),
         _rec("msa_decode_plan", {"batch": 16, "context": 131072}, 0.310, "graph", "dense_sdpa", 3.2),
-        _rec("msa_decode_plan", {"batch": 16, "context": 131072}, 0.650, "eager", "dense_sdpa", 3.2,
-             validation=False),
+        _rec("msa_decode_plan", {"batch": 16, "context": 131072}, 0.650, "eager", "dense_sdpa", 3.2, validation=False),
         _rec("msa_decode", {"batch": 16, "context": 131072}, 0.320, "graph", "dense_sdpa", 3.2),
         _rec("msa_decode", {"batch": 16, "context": 131072}, 0.780, "eager", "dense_sdpa", 3.2, validation=True),
         _rec("msa_decode", {"batch": 16, "context": 131072}, 0.700, "eager", "dense_sdpa", 3.2, validation=False),
         _rec("msa_decode", {"batch": 16, "context": 32768}, 0.200, "graph", "dense_sdpa", 0.8),
         _rec("msa_decode", {"batch": 1, "context": 32768}, 0.050, "graph", "dense_sdpa", 0.06),
         _rec("msa_decode", {"batch": 1, "context": 131072}, 0.060, "graph", "dense_sdpa", 0.2),
-        _rec("msa_decode_grid", {"batch": 1, "context": 32768, "index_dtype": "bf16", "kv_dtype": "fp8", "q_len": 1},
-             0.05, "graph", "dense_sdpa", 0.1),
-        _rec("msa_decode_grid", {"batch": 16, "context": 131072, "index_dtype": "bf16", "kv_dtype": "fp8",
-                                 "q_len": 1}, 0.2, "graph", "dense_sdpa", 2.0),
-        _rec("attention_prefill", {"batch": 1, "context": 32768, "selection": "tile"}, 2.0, "eager", "dense_sdpa",
-             1.0, attended_TFLOPs=100.0, flops_ratio=0.4),
+        _rec(
+            "msa_decode_grid",
+            {"batch": 1, "context": 32768, "index_dtype": "bf16", "kv_dtype": "fp8", "q_len": 1},
+            0.05,
+            "graph",
+            "dense_sdpa",
+            0.1,
+        ),
+        _rec(
+            "msa_decode_grid",
+            {"batch": 16, "context": 131072, "index_dtype": "bf16", "kv_dtype": "fp8", "q_len": 1},
+            0.2,
+            "graph",
+            "dense_sdpa",
+            2.0,
+        ),
+        _rec(
+            "attention_prefill",
+            {"batch": 1, "context": 32768, "selection": "tile"},
+            2.0,
+            "eager",
+            "dense_sdpa",
+            1.0,
+            attended_TFLOPs=100.0,
+            flops_ratio=0.4,
+        ),
     ],
 }
 
@@ -205,21 +247,27 @@ def test_plan_text_and_meta_text():
 
 
 def test_goals_from_the_results_file_itself():
-    results = {"meta": {"goals": [{"goal": "msa_decode eager >= 2.0x dense SDPA", "shape": {"batch": 16},
-                                   "value": 3.25, "met": True},
-                                  {"goal": "x: eager - graph <= 15.0 us", "shape": {"batch": 1}, "value": 20.0,
-                                   "met": False}]}, "records": []}
+    results = {
+        "meta": {
+            "goals": [
+                {"goal": "msa_decode eager >= 2.0x dense SDPA", "shape": {"batch": 16}, "value": 3.25, "met": True},
+                {"goal": "x: eager - graph <= 15.0 us", "shape": {"batch": 1}, "value": 20.0, "met": False},
+            ]
+        },
+        "records": [],
+    }
     text = performance.goals_report(results)
-    assert text.splitlines() == ["[met ] msa_decode eager >= 2.0x dense SDPA (b=16): 3.25",
-                                 "[MISS] x: eager - graph <= 15.0 us (b=1): 20"]
+    assert text.splitlines() == [
+        "[met ] msa_decode eager >= 2.0x dense SDPA (b=16): 3.25",
+        "[MISS] x: eager - graph <= 15.0 us (b=1): 20",
+    ]
     assert performance.goals_report({"meta": {"goals": []}, "records": []}).startswith("the benchmark run checked no")
 
 
 def test_host_overhead_and_speedup_and_grid():
     rows = performance.host_device_rows(SCHEMA)
     step = [
-        r for r in rows
-        if r["name"] == "msa_decode" and r["shape"]["context"] == 131072 and r["shape"]["batch"] == 16
+        r for r in rows if r["name"] == "msa_decode" and r["shape"]["context"] == 131072 and r["shape"]["batch"] == 16
     ]
     assert step and abs(step[0]["host_ms"] - 0.380) < 1e-9  # validation off preferred: 700 - 320
     assert performance.plot_host_device(SCHEMA) is not None
@@ -234,8 +282,13 @@ def test_host_overhead_and_speedup_and_grid():
 
 def test_absent_record_families_degrade_gracefully():
     empty = {"meta": {"gpu": "GPU", "copy_TBps": 4.0}, "records": []}
-    for plot in (performance.plot_stage_breakdown, performance.plot_stage_roofline, performance.plot_host_device,
-                 performance.plot_speedup_vs_context, performance.plot_grid_heatmap):
+    for plot in (
+        performance.plot_stage_breakdown,
+        performance.plot_stage_roofline,
+        performance.plot_host_device,
+        performance.plot_speedup_vs_context,
+        performance.plot_grid_heatmap,
+    ):
         assert plot(empty) is None
     assert performance.prefill_text(empty).startswith("no ")
     assert performance.validation_text(empty).startswith("no ")

@@ -14,8 +14,19 @@ DT = torch.float32  # the interpreter's bf16 arithmetic is inexact; fp32 runs th
 
 
 def _layer(device, batch=2, context=300, dql=1, layout="packed", seed=0):
-    return synthetic_layer(context, batch=batch, num_kv_heads=2, group_size=2, head_dim=16, index_dim=16,
-                           layout=layout, decode_query_len=dql, dtype=DT, device=device, seed=seed)
+    return synthetic_layer(
+        context,
+        batch=batch,
+        num_kv_heads=2,
+        group_size=2,
+        head_dim=16,
+        index_dim=16,
+        layout=layout,
+        decode_query_len=dql,
+        dtype=DT,
+        device=device,
+        seed=seed,
+    )
 
 
 def _clone_caches(layer):
@@ -26,16 +37,30 @@ def _clone_caches(layer):
 
 def _decode_plan(layer, **kw):
     return mm3lab.MSADecodePlan(
-        layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, batch=layer.block_table.shape[0],
-        max_blocks=layer.block_table.shape[1], num_q_heads=layer.q.shape[1],
-        decode_query_len=layer.decode_query_len, **kw)
+        layer.cache.k_cache,
+        layer.cache.v_cache,
+        layer.index_cache,
+        batch=layer.block_table.shape[0],
+        max_blocks=layer.block_table.shape[1],
+        num_q_heads=layer.q.shape[1],
+        decode_query_len=layer.decode_query_len,
+        **kw,
+    )
 
 
 def _run_args(layer, k_cache=None, v_cache=None, index_cache=None, seq_lens=None):
-    return (layer.q, layer.key, layer.value, layer.index_q, layer.index_k,
-            layer.cache.k_cache if k_cache is None else k_cache, layer.cache.v_cache if v_cache is None else v_cache,
-            layer.index_cache if index_cache is None else index_cache, layer.block_table,
-            layer.seq_lens if seq_lens is None else seq_lens)
+    return (
+        layer.q,
+        layer.key,
+        layer.value,
+        layer.index_q,
+        layer.index_k,
+        layer.cache.k_cache if k_cache is None else k_cache,
+        layer.cache.v_cache if v_cache is None else v_cache,
+        layer.index_cache if index_cache is None else index_cache,
+        layer.block_table,
+        layer.seq_lens if seq_lens is None else seq_lens,
+    )
 
 
 @pytest.mark.parametrize("layout,dql,topk", [("packed", 1, 2), ("dense", 2, 3)])
@@ -62,8 +87,7 @@ def test_decode_plan_follows_seq_lens_without_replanning(device):
         want = mm3lab.msa_decode(*_run_args(layer, kc, vc, ic, seq_lens), topk=2)
         got = plan.run(*_run_args(layer, seq_lens=seq_lens))
         assert torch.equal(got, want), lens
-        assert torch.equal(plan.pos, torch.tensor([p - 1 if p else -1 for p in lens], dtype=torch.int32,
-                                                   device=device))
+        assert torch.equal(plan.pos, torch.tensor([p - 1 if p else -1 for p in lens], dtype=torch.int32, device=device))
 
 
 def test_prefill_plan_is_bit_identical_with_padded_rows(device):
@@ -80,10 +104,29 @@ def test_prefill_plan_is_bit_identical_with_padded_rows(device):
     index_q, index_k = rnd(n, 2, 16), rnd(n, 16)
     _, kc, vc, ic = _clone_caches(layer)
     want = mm3lab.msa_prefill(q, key, value, index_q, index_k, kc, vc, ic, layer.block_table, req, pos, topk=2)
-    plan = mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, num_tokens=n,
-                                 batch=2, max_blocks=layer.block_table.shape[1], num_q_heads=4, topk=2)
-    got = plan.run(q, key, value, index_q, index_k, layer.cache.k_cache, layer.cache.v_cache, layer.index_cache,
-                   layer.block_table, req, pos)
+    plan = mm3lab.MSAPrefillPlan(
+        layer.cache.k_cache,
+        layer.cache.v_cache,
+        layer.index_cache,
+        num_tokens=n,
+        batch=2,
+        max_blocks=layer.block_table.shape[1],
+        num_q_heads=4,
+        topk=2,
+    )
+    got = plan.run(
+        q,
+        key,
+        value,
+        index_q,
+        index_k,
+        layer.cache.k_cache,
+        layer.cache.v_cache,
+        layer.index_cache,
+        layer.block_table,
+        req,
+        pos,
+    )
     assert torch.equal(got, want)
     assert torch.equal(plan.slots, token_slots(layer.block_table, req, pos))
     assert int(plan.slots[3]) == -1 and bool((plan.topk_idx[:, 3] == -1).all())
@@ -127,8 +170,14 @@ def test_bad_plans_are_rejected():
 
 
 def _decode_plan_with(layer, **kw):
-    return mm3lab.MSADecodePlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, batch=2,
-                                max_blocks=layer.block_table.shape[1], **kw)
+    return mm3lab.MSADecodePlan(
+        layer.cache.k_cache,
+        layer.cache.v_cache,
+        layer.index_cache,
+        batch=2,
+        max_blocks=layer.block_table.shape[1],
+        **kw,
+    )
 
 
 def test_torch_backend_plan_calls_the_one_shot_path():
@@ -174,8 +223,9 @@ def test_rows_and_slots_match_the_torch_ops(device, dql):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("index_dtype", [torch.float16, torch.bfloat16])
 def test_graph_plan_replays_with_changing_seq_lens_and_padded_rows(index_dtype):
-    layer = synthetic_layer(700, batch=3, num_kv_heads=2, group_size=4, head_dim=64, index_dim=32,
-                            dtype=index_dtype, device="cuda")
+    layer = synthetic_layer(
+        700, batch=3, num_kv_heads=2, group_size=4, head_dim=64, index_dim=32, dtype=index_dtype, device="cuda"
+    )
     plan = _decode_plan(layer, topk=3, graph=True)
     eager = _decode_plan(layer, topk=3)
     for step, lens in enumerate(([700, 737, 774], [129, 0, 500], [1, 737, 0], [700, 737, 774])):
@@ -198,8 +248,9 @@ def test_graph_plan_replays_with_changing_seq_lens_and_padded_rows(index_dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_plan_run_is_capturable_by_the_caller():
-    layer = synthetic_layer(700, batch=2, num_kv_heads=2, group_size=4, head_dim=64, index_dim=32,
-                            dtype=torch.bfloat16, device="cuda")
+    layer = synthetic_layer(
+        700, batch=2, num_kv_heads=2, group_size=4, head_dim=64, index_dim=32, dtype=torch.bfloat16, device="cuda"
+    )
     plan = _decode_plan(layer, topk=3)
     want = plan.run(*_run_args(layer)).clone()
     graph = torch.cuda.CUDAGraph()
@@ -222,8 +273,16 @@ def _prefill_inputs(device, n, seed=3, hq=4, hkv=2, d=16, di=16):
 
 def test_prefill_plan_follows_positions_without_replanning(device):
     layer = _layer(device, batch=2, context=260)
-    plan = mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, num_tokens=4,
-                                 batch=2, max_blocks=layer.block_table.shape[1], num_q_heads=4, topk=2)
+    plan = mm3lab.MSAPrefillPlan(
+        layer.cache.k_cache,
+        layer.cache.v_cache,
+        layer.index_cache,
+        num_tokens=4,
+        batch=2,
+        max_blocks=layer.block_table.shape[1],
+        num_q_heads=4,
+        topk=2,
+    )
     steps = ([0, 0, 1, 1], [10, 11, 200, 201]), ([1, 0, 0, 1], [-1, 130, 131, -5]), ([0, 1, 1, 1], [259, 0, 1, 2])
     for step, (req, pos) in enumerate(steps):
         req = torch.tensor(req, dtype=torch.int32, device=device)
@@ -231,8 +290,7 @@ def test_prefill_plan_follows_positions_without_replanning(device):
         args = _prefill_inputs(device, 4, seed=step)
         kv, kc, vc, ic = _clone_caches(layer)
         want = mm3lab.msa_prefill(*args, kc, vc, ic, layer.block_table, req, pos, topk=2)
-        got = plan.run(*args, layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, layer.block_table, req,
-                       pos)
+        got = plan.run(*args, layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, layer.block_table, req, pos)
         assert torch.equal(got, want), step
         assert torch.equal(layer.cache.kv, kv) and torch.equal(layer.index_cache, ic)  # the same cache writes
         padded = (pos < 0).nonzero().flatten()
@@ -258,12 +316,14 @@ def test_plan_kernel_choice_follows_the_one_shot_rule(device, monkeypatch):
     got = plan.run(*args, *_run_args(layer)[5:8], layer.block_table, req, pos)
     assert torch.equal(got, want)
     for algorithm in ("rows", "tiled"):
-        fixed = mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache,
-                                      algorithm=algorithm, **kw)
+        fixed = mm3lab.MSAPrefillPlan(
+            layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, algorithm=algorithm, **kw
+        )
         _, kc, vc, ic = _clone_caches(layer)
         one = mm3lab.msa_prefill(*args, kc, vc, ic, layer.block_table, req, pos, topk=2)
-        torch.testing.assert_close(fixed.run(*args, *_run_args(layer)[5:8], layer.block_table, req, pos), one,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            fixed.run(*args, *_run_args(layer)[5:8], layer.block_table, req, pos), one, atol=1e-5, rtol=1e-5
+        )
     with pytest.raises(ValueError, match="algorithm"):
         mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, algorithm="fast", **kw)
     small = _decode_plan(layer, topk=2)
@@ -273,35 +333,62 @@ def test_plan_kernel_choice_follows_the_one_shot_rule(device, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_graph_prefill_plan_replays_with_changing_positions_and_padded_rows():
-    layer = synthetic_layer(700, batch=2, num_kv_heads=2, group_size=4, head_dim=64, index_dim=32,
-                            dtype=torch.bfloat16, device="cuda")
+    layer = synthetic_layer(
+        700, batch=2, num_kv_heads=2, group_size=4, head_dim=64, index_dim=32, dtype=torch.bfloat16, device="cuda"
+    )
     n = 6
     kw = {"num_tokens": n, "batch": 2, "max_blocks": layer.block_table.shape[1], "num_q_heads": 8, "topk": 3}
     plan = mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, graph=True, **kw)
-    steps = (([0, 0, 0, 1, 1, 1], [300, 301, 302, 640, 641, 642]), ([1, 1, 0, 0, 1, 0], [-1, 5, 6, -1, 129, 7]),
-             ([0, 0, 0, 1, 1, 1], [300, 301, 302, 640, 641, 642]))
+    steps = (
+        ([0, 0, 0, 1, 1, 1], [300, 301, 302, 640, 641, 642]),
+        ([1, 1, 0, 0, 1, 0], [-1, 5, 6, -1, 129, 7]),
+        ([0, 0, 0, 1, 1, 1], [300, 301, 302, 640, 641, 642]),
+    )
     graph = None
     g = torch.Generator(device="cuda").manual_seed(0)
     for step, (req, pos) in enumerate(steps):
         req = torch.tensor(req, dtype=torch.int32, device="cuda")
         pos = torch.tensor(pos, dtype=torch.int32, device="cuda")
-        args = [torch.randn(n, *shape, generator=g, device="cuda", dtype=torch.bfloat16)
-                for shape in ((8, 64), (2, 64), (2, 64), (2, 32))] + [
-            torch.randn(n, 32, generator=g, device="cuda", dtype=torch.bfloat16)]
+        args = [
+            torch.randn(n, *shape, generator=g, device="cuda", dtype=torch.bfloat16)
+            for shape in ((8, 64), (2, 64), (2, 64), (2, 32))
+        ] + [torch.randn(n, 32, generator=g, device="cuda", dtype=torch.bfloat16)]
         _, kc, vc, ic = _clone_caches(layer)
         want = mm3lab.msa_prefill(*args, kc, vc, ic, layer.block_table, req, pos, topk=3)
-        got = plan.run(*args, layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, layer.block_table,
-                       req.clone(), pos.clone())
+        got = plan.run(
+            *args,
+            layer.cache.k_cache,
+            layer.cache.v_cache,
+            layer.index_cache,
+            layer.block_table,
+            req.clone(),
+            pos.clone(),
+        )
         assert torch.equal(got, want), step
         graph = graph or plan._cuda_graph
     assert plan._cuda_graph is graph  # replayed, never re-captured
     with pytest.raises(ValueError, match="planned for shape"):
-        plan.run(*[a[:-1] for a in args], layer.cache.k_cache, layer.cache.v_cache, layer.index_cache,
-                 layer.block_table, req[:-1], pos[:-1])
+        plan.run(
+            *[a[:-1] for a in args],
+            layer.cache.k_cache,
+            layer.cache.v_cache,
+            layer.index_cache,
+            layer.block_table,
+            req[:-1],
+            pos[:-1],
+        )
     assert plan._cuda_graph is graph
     with pytest.raises(ValueError, match="planned on cuda"):
-        plan.run(*[a.cpu() for a in args], layer.cache.k_cache, layer.cache.v_cache, layer.index_cache,
-                 layer.block_table, req, pos)
+        plan.run(
+            *[a.cpu() for a in args],
+            layer.cache.k_cache,
+            layer.cache.v_cache,
+            layer.index_cache,
+            layer.block_table,
+            req,
+            pos,
+        )
     with pytest.raises(ValueError, match="needs algorithm"):
-        mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, graph=True,
-                              **{**kw, "num_tokens": 4096})
+        mm3lab.MSAPrefillPlan(
+            layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, graph=True, **{**kw, "num_tokens": 4096}
+        )

@@ -35,8 +35,10 @@ def sequences():
 
 @pytest.fixture(scope="module")
 def selections(sequences):
-    return {p: analysis.select_for_sequence(s, 6, positions=analysis.default_positions(SEQ_LEN, 24))
-            for p, s in sequences.items()}
+    return {
+        p: analysis.select_for_sequence(s, 6, positions=analysis.default_positions(SEQ_LEN, 24))
+        for p, s in sequences.items()
+    }
 
 
 # --- synthetic sequences ----------------------------------------------------------------------
@@ -57,12 +59,15 @@ def test_make_sequence_shapes_seed_dtype_device(device):
     assert synthetic.make_sequence("sink", 130, **SMALL).needle_block == 0
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(pattern="zigzag"), "pattern"),
-    (dict(seq_len=0), "seq_len"),
-    (dict(num_q_heads=3, num_kv_heads=2), "num_q_heads"),
-    (dict(needle_block=9), "needle_block"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(pattern="zigzag"), "pattern"),
+        (dict(seq_len=0), "seq_len"),
+        (dict(num_q_heads=3, num_kv_heads=2), "num_q_heads"),
+        (dict(needle_block=9), "needle_block"),
+    ],
+)
 def test_make_sequence_rejects_bad_arguments(kwargs, match):
     args = dict(pattern="needle", seq_len=256)
     args.update(kwargs)
@@ -137,8 +142,9 @@ def test_mass_curve(sequences, selections):
         assert all(a <= b + 1e-6 for a, b in zip(c.indexer, c.oracle, strict=False))
         assert list(c.indexer) == sorted(c.indexer) and 0 < c.indexer[0] <= 1
     assert curves["needle"].indexer[1] > curves["random"].indexer[1] + 0.1
-    assert analysis.mass_curve(sequences["sink"], (2,), positions=selections["sink"].positions).indexer[0] == \
-        pytest.approx(curves["sink"].indexer[1])
+    assert analysis.mass_curve(sequences["sink"], (2,), positions=selections["sink"].positions).indexer[
+        0
+    ] == pytest.approx(curves["sink"].indexer[1])
     with pytest.raises(ValueError, match="selection"):
         analysis.mass_curve(sequences["sink"], (8,), selection=selections["sink"])
     with pytest.raises(ValueError, match="positions"):
@@ -154,8 +160,9 @@ def by_gid(ax, gid):
 
 def test_score_heatmap_marks_selected_forced_and_needle(sequences, selections):
     sel = selections["needle"].with_topk(3)
-    fig = vs.plot_score_heatmap(sel, head=1, needle_block=sequences["needle"].needle_block,
-                                query_position=int(sel.positions[5]))
+    fig = vs.plot_score_heatmap(
+        sel, head=1, needle_block=sequences["needle"].needle_block, query_position=int(sel.positions[5])
+    )
     assert isinstance(fig, Figure)
     ax = fig.axes[0]
     (chosen,) = by_gid(ax, "selected")
@@ -163,8 +170,9 @@ def test_score_heatmap_marks_selected_forced_and_needle(sequences, selections):
     want = {(b, t) for t in range(24) for b in sel.topk_idx[1, t].tolist() if b >= 0}
     assert marked == want
     (forced,) = by_gid(ax, "forced")
-    assert {(int(x), int(y)) for x, y in forced.get_offsets()} == {(int(p) // BLOCK, t) for t, p in
-                                                                   enumerate(sel.positions)}
+    assert {(int(x), int(y)) for x, y in forced.get_offsets()} == {
+        (int(p) // BLOCK, t) for t, p in enumerate(sel.positions)
+    }
     assert len(by_gid(ax, "needle")) == 1 and len(by_gid(ax, "query-row")) == 1
     image = ax.images[0].get_array()
     assert image.mask[0, 1:].all() and not image.mask[-1].any()  # blocks after the query's own are not drawn

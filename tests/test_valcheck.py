@@ -31,8 +31,10 @@ def _segments(seed: int, bad: float):
     """Random segments of every kind; ``bad`` widens the value ranges past the bounds."""
     g = torch.Generator().manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    b, m, n = (int(x) for x in torch.randint(0, 5, (1,), generator=gen).tolist() + torch.randint(
-        0, 40, (2,), generator=gen).tolist())
+    b, m, n = (
+        int(x)
+        for x in torch.randint(0, 5, (1,), generator=gen).tolist() + torch.randint(0, 40, (2,), generator=gen).tolist()
+    )
     over = int(bad * 8)
     bt = _ints(g, -over, 10 + over, b, m)
     req = _ints(g, -1 - over, b + over + 1, n)
@@ -53,7 +55,7 @@ def _segments(seed: int, bad: float):
 def test_kernel_flags_match_torch(seed, bad):
     segments = _segments(seed, bad)
     for i in range(len(segments)):  # each segment alone, then all four in one launch
-        subset = segments[i:i + 1] if i < len(segments) - 1 else segments
+        subset = segments[i : i + 1] if i < len(segments) - 1 else segments
         want = _valcheck.flags(*subset)
         with _valcheck.kernel_on_cpu():
             got = _valcheck.flags(*subset)
@@ -65,9 +67,20 @@ def test_kernel_flags_on_device(device):
     for seed in range(6):
         segments = _segments(seed, 0.2)
         want = _valcheck.flags(*segments)
-        moved = [Segment(s.kind, s.t.to(device), s.lo, s.hi, None if s.aux is None else s.aux.to(device),
-                         None if s.pos is None else s.pos.to(device), s.unit, s.modulus, s.mod_limit)
-                 for s in segments]
+        moved = [
+            Segment(
+                s.kind,
+                s.t.to(device),
+                s.lo,
+                s.hi,
+                None if s.aux is None else s.aux.to(device),
+                None if s.pos is None else s.pos.to(device),
+                s.unit,
+                s.modulus,
+                s.mod_limit,
+            )
+            for s in segments
+        ]
         assert _valcheck.flags(*moved) == want
 
 
@@ -149,11 +162,15 @@ CALLS = {
     "MSAPrefillPlan.run": (_call_plan, _plan_run(True)),
     "sparse_attention": (mm3lab.sparse_attention, _attention_args),
     "reference.sparse_attention": (reference.sparse_attention, _attention_args),
-    "build_sparse_block_table_decode": (mm3lab.build_sparse_block_table_decode,
-                                        _entry_args("build_sparse_block_table_decode")),
+    "build_sparse_block_table_decode": (
+        mm3lab.build_sparse_block_table_decode,
+        _entry_args("build_sparse_block_table_decode"),
+    ),
     "build_sparse_block_table_prefill": (mm3lab.build_sparse_block_table_prefill, _prefill_table_args(None)),
-    "vllm.build_sparse_block_table_decode": (vllm.minimax_m3_build_sparse_block_table_decode,
-                                             _entry_args("vllm.build_sparse_block_table_decode")),
+    "vllm.build_sparse_block_table_decode": (
+        vllm.minimax_m3_build_sparse_block_table_decode,
+        _entry_args("vllm.build_sparse_block_table_decode"),
+    ),
     "index_topk_decode": (mm3lab.index_topk_decode, _index_args(False)),
     "index_topk_prefill": (mm3lab.index_topk_prefill, _index_args(True)),
     "reference.index_topk_decode": (reference.index_topk_decode, _index_args(False)),

@@ -38,7 +38,12 @@ from .checks import check_sparse_attention
 from .reference import dense_masked_attention
 
 __all__ = [
-    "ALGORITHMS", "TILED_MIN_ROWS", "TILED_MIN_SHARE", "choose_algorithm", "dense_masked_attention", "sparse_attention",
+    "ALGORITHMS",
+    "TILED_MIN_ROWS",
+    "TILED_MIN_SHARE",
+    "choose_algorithm",
+    "dense_masked_attention",
+    "sparse_attention",
 ]
 
 ALGORITHMS = ("rows", "tiled")
@@ -123,8 +128,16 @@ def sparse_attention(
     fallback = backend.bf16_interpreted(q.dtype)
     if not backend.use_kernel(q, k_cache, sparse_bt, entry_point="sparse_attention", fallback=fallback):
         return reference.sparse_attention(
-            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=return_lse, out=out,
-            k_scale=k_scale, v_scale=v_scale,
+            q,
+            k_cache,
+            v_cache,
+            sparse_bt,
+            sparse_ctx,
+            scale,
+            return_lse=return_lse,
+            out=out,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     from . import tiled
     from .kernel import sparse_attention_kernel

@@ -83,8 +83,10 @@ def check_sparse_attention(
     n, hq, dq = q.shape
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)  # FP8 KV (SPEC section 9): any float q
     if q.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE:
-        raise TypeError(f"q: dtype {str(q.dtype).replace('torch.', '')} differs from k_cache's "
-                        f"{str(k_cache.dtype).replace('torch.', '')}")
+        raise TypeError(
+            f"q: dtype {str(q.dtype).replace('torch.', '')} differs from k_cache's "
+            f"{str(k_cache.dtype).replace('torch.', '')}"
+        )
     if dq != d:
         raise ValueError(f"q: head dim {dq} does not match k_cache's head dim {d} (shape {tuple(k_cache.shape)})")
     if hq % hkv != 0:
@@ -110,8 +112,16 @@ def check_sparse_attention(
         packed = block_page_stride == PACKED_STRIDE
         segments = [
             Segment("all", sparse_ctx, lo=0, hi=width * PAGE_SIZE),
-            Segment("len", sparse_bt, lo=0, hi=pages - 1, aux=sparse_ctx, unit=PAGE_SIZE,
-                    modulus=PACKED_STRIDE if packed else 0, mod_limit=PAGES_PER_SPARSE_BLOCK),
+            Segment(
+                "len",
+                sparse_bt,
+                lo=0,
+                hi=pages - 1,
+                aux=sparse_ctx,
+                unit=PAGE_SIZE,
+                modulus=PACKED_STRIDE if packed else 0,
+                mod_limit=PAGES_PER_SPARSE_BLOCK,
+            ),
         ]
         value_checks(segments, lambda: _detail(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride))
     return block_page_stride, scale

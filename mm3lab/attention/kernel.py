@@ -38,14 +38,32 @@ _LN2 = tl.constexpr(LN2)  # usable inside kernels
 @triton.jit
 def _attend_step(
     q,  # [GROUP_PAD, D_PAD] query tile of the group
-    k_head, v_head,  # K / V views offset to this KV head
+    k_head,
+    v_head,  # K / V views offset to this KV head
     bt_row,  # this row's page ids
-    start, tok_hi,  # tokens start .. start + BLOCK_N - 1 of the row, those < tok_hi are live
-    num_pages, qk_scale,
-    m_i, l_i, acc,  # online-softmax state: running max (base 2), running sum, unnormalized output
-    stride_kp, stride_kr, stride_vp, stride_vr, stride_bw,
-    ks_head, vs_head, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    start,
+    tok_hi,  # tokens start .. start + BLOCK_N - 1 of the row, those < tok_hi are live
+    num_pages,
+    qk_scale,
+    m_i,
+    l_i,
+    acc,  # online-softmax state: running max (base 2), running sum, unnormalized output
+    stride_kp,
+    stride_kr,
+    stride_vp,
+    stride_vr,
+    stride_bw,
+    ks_head,
+    vs_head,
+    stride_ksp,
+    stride_ksr,
+    stride_vsp,
+    stride_vsr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
 ):
     """One step of the online softmax over ``BLOCK_N`` tokens (``BLOCK_N / 16`` whole pages).
@@ -98,17 +116,34 @@ def _sparse_attention_fwd(
     width,  # W, page ids per row
     pages_per_split,  # a multiple of BLOCK_N // PAGE
     qk_scale,  # softmax scale * log2(e): scores are kept in base 2
-    stride_qn, stride_qh, stride_qd,
-    stride_kp, stride_kr, stride_kh,  # k_cache strides (page, row, head); head dim contiguous
-    stride_vp, stride_vr, stride_vh,
-    stride_bh, stride_bn, stride_bw,
-    stride_ch, stride_cn,
-    stride_on, stride_oh, stride_os,  # output strides (row, head, split); head dim contiguous
-    stride_ln, stride_lh,  # lse strides (row, head); split stride 1
+    stride_qn,
+    stride_qh,
+    stride_qd,
+    stride_kp,
+    stride_kr,
+    stride_kh,  # k_cache strides (page, row, head); head dim contiguous
+    stride_vp,
+    stride_vr,
+    stride_vh,
+    stride_bh,
+    stride_bn,
+    stride_bw,
+    stride_ch,
+    stride_cn,
+    stride_on,
+    stride_oh,
+    stride_os,  # output strides (row, head, split); head dim contiguous
+    stride_ln,
+    stride_lh,  # lse strides (row, head); split stride 1
     group,  # query heads per KV head (a runtime value: every group size up to 16 shares one compiled kernel)
-    ks_ptr, vs_ptr,  # FP8: [pages, 16, Hkv] float32 scale views (unused otherwise)
-    stride_ksp, stride_ksr, stride_ksh,
-    stride_vsp, stride_vsr, stride_vsh,
+    ks_ptr,
+    vs_ptr,  # FP8: [pages, 16, Hkv] float32 scale views (unused otherwise)
+    stride_ksp,
+    stride_ksr,
+    stride_ksh,
+    stride_vsp,
+    stride_vsr,
+    stride_vsh,
     GROUP_PAD: tl.constexpr,  # >= 16 and a power of two (tl.dot's M)
     D: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -153,19 +188,67 @@ def _sparse_attention_fwd(
         start = tok_lo
         while start < tok_hi:
             m_i, l_i, acc = _attend_step(
-                q, k_head, v_head, bt_row, start, tok_hi, num_pages, qk_scale, m_i, l_i, acc,
-                stride_kp, stride_kr, stride_vp, stride_vr, stride_bw,
-                ks_head, vs_head, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
-                D, D_PAD, BLOCK_N, PAGE, DOT_PRECISION, FP8,
+                q,
+                k_head,
+                v_head,
+                bt_row,
+                start,
+                tok_hi,
+                num_pages,
+                qk_scale,
+                m_i,
+                l_i,
+                acc,
+                stride_kp,
+                stride_kr,
+                stride_vp,
+                stride_vr,
+                stride_bw,
+                ks_head,
+                vs_head,
+                stride_ksp,
+                stride_ksr,
+                stride_vsp,
+                stride_vsr,
+                D,
+                D_PAD,
+                BLOCK_N,
+                PAGE,
+                DOT_PRECISION,
+                FP8,
             )
             start += BLOCK_N
     else:
         for start in range(tok_lo, tok_hi, BLOCK_N):
             m_i, l_i, acc = _attend_step(
-                q, k_head, v_head, bt_row, start, tok_hi, num_pages, qk_scale, m_i, l_i, acc,
-                stride_kp, stride_kr, stride_vp, stride_vr, stride_bw,
-                ks_head, vs_head, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
-                D, D_PAD, BLOCK_N, PAGE, DOT_PRECISION, FP8,
+                q,
+                k_head,
+                v_head,
+                bt_row,
+                start,
+                tok_hi,
+                num_pages,
+                qk_scale,
+                m_i,
+                l_i,
+                acc,
+                stride_kp,
+                stride_kr,
+                stride_vp,
+                stride_vr,
+                stride_bw,
+                ks_head,
+                vs_head,
+                stride_ksp,
+                stride_ksr,
+                stride_vsp,
+                stride_vsr,
+                D,
+                D_PAD,
+                BLOCK_N,
+                PAGE,
+                DOT_PRECISION,
+                FP8,
             )
 
     seen = l_i > 0
@@ -189,10 +272,15 @@ def _merge_splits(
     o_ptr,  # [N, Hq, D] output
     lse_ptr,  # [N, Hq] float32 (written when WRITE_LSE)
     num_splits,
-    stride_pn, stride_ph, stride_ps,  # part_o strides; head dim contiguous
-    stride_qn, stride_qh,  # part_lse strides (row, head); split stride 1
-    stride_on, stride_oh,  # output strides; head dim contiguous
-    stride_ln, stride_lh,  # lse strides
+    stride_pn,
+    stride_ph,
+    stride_ps,  # part_o strides; head dim contiguous
+    stride_qn,
+    stride_qh,  # part_lse strides (row, head); split stride 1
+    stride_on,
+    stride_oh,  # output strides; head dim contiguous
+    stride_ln,
+    stride_lh,  # lse strides
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
@@ -266,8 +354,20 @@ def num_splits(n_rows: int, hq: int, hkv: int, d: int, width: int, device: torch
 
 
 def sparse_attention_kernel(
-    q, k_cache, v_cache, sparse_bt, sparse_ctx, scale: float, out, lse, k_scale=None, v_scale=None,
-    *, num_splits: int | None = None, block_n: int | None = None, workspace=None,
+    q,
+    k_cache,
+    v_cache,
+    sparse_bt,
+    sparse_ctx,
+    scale: float,
+    out,
+    lse,
+    k_scale=None,
+    v_scale=None,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    workspace=None,
 ) -> None:
     """Launch the attention (and, with several splits, the merge). Arguments are already validated.
 
@@ -291,27 +391,54 @@ def sparse_attention_kernel(
     splits = max(1, math.ceil(width / pages_per_split)) if width else 1
     d_pad = max(16, triton.next_power_of_2(d))
     common = dict(
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, D_PAD=d_pad,
-        BLOCK_N=block_n, PAGE=PAGE_SIZE,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        D=d,
+        D_PAD=d_pad,
+        BLOCK_N=block_n,
+        PAGE=PAGE_SIZE,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRETED=backend.INTERPRETER, FP8=k_scale is not None,
-        num_warps=4, num_stages=2,
+        INTERPRETED=backend.INTERPRETER,
+        FP8=k_scale is not None,
+        num_warps=4,
+        num_stages=2,
     )
     ks, vs = (k_scale, v_scale) if k_scale is not None else (sparse_bt, sparse_bt)  # never read without FP8
     args = (
-        readable_pages(k_cache, v_cache), width, pages_per_split, scale * LOG2E,
-        *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        *sparse_bt.stride(), *sparse_ctx.stride(),
+        readable_pages(k_cache, v_cache),
+        width,
+        pages_per_split,
+        scale * LOG2E,
+        *q.stride(),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        *sparse_bt.stride(),
+        *sparse_ctx.stride(),
     )
     grid = (n_rows, hkv, splits)
     if splits == 1:
         lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is off
         _sparse_attention_fwd[grid](
-            q, k_cache, v_cache, sparse_bt, sparse_ctx, out, lse_arg, *args,
-            out.stride(0), out.stride(1), 0,
-            hq if lse is None else lse.stride(0), 1 if lse is None else lse.stride(1), group,
-            ks, vs, *ks.stride(), *vs.stride(),
-            ONE_SPLIT=True, WRITE_LSE=lse is not None, **common,
+            q,
+            k_cache,
+            v_cache,
+            sparse_bt,
+            sparse_ctx,
+            out,
+            lse_arg,
+            *args,
+            out.stride(0),
+            out.stride(1),
+            0,
+            hq if lse is None else lse.stride(0),
+            1 if lse is None else lse.stride(1),
+            group,
+            ks,
+            vs,
+            *ks.stride(),
+            *vs.stride(),
+            ONE_SPLIT=True,
+            WRITE_LSE=lse is not None,
+            **common,
         )
         return
     if workspace is not None and tuple(workspace[0].shape) == (n_rows, hq, splits, d):
@@ -320,19 +447,47 @@ def sparse_attention_kernel(
         part_o = torch.empty(n_rows, hq, splits, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(n_rows, hq, splits, dtype=torch.float32, device=q.device)
     _sparse_attention_fwd[grid](
-        q, k_cache, v_cache, sparse_bt, sparse_ctx, part_o, part_lse, *args,
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1), group,
-        ks, vs, *ks.stride(), *vs.stride(),
-        ONE_SPLIT=False, WRITE_LSE=True, **common,
+        q,
+        k_cache,
+        v_cache,
+        sparse_bt,
+        sparse_ctx,
+        part_o,
+        part_lse,
+        *args,
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        group,
+        ks,
+        vs,
+        *ks.stride(),
+        *vs.stride(),
+        ONE_SPLIT=False,
+        WRITE_LSE=True,
+        **common,
     )
     _merge_splits[(n_rows, hq)](
-        part_o, part_lse, out, lse if lse is not None else part_lse, splits,
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
-        hq if lse is None else lse.stride(0), 1 if lse is None else lse.stride(1),
-        D=d, D_PAD=d_pad, S_PAD=max(2, triton.next_power_of_2(splits)), WRITE_LSE=lse is not None,
+        part_o,
+        part_lse,
+        out,
+        lse if lse is not None else part_lse,
+        splits,
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        hq if lse is None else lse.stride(0),
+        1 if lse is None else lse.stride(1),
+        D=d,
+        D_PAD=d_pad,
+        S_PAD=max(2, triton.next_power_of_2(splits)),
+        WRITE_LSE=lse is not None,
         num_warps=4,
     )
 

@@ -162,7 +162,7 @@ def dense_masked_attention(
         row = first_bad_row(query_abs_pos >= seq)
         if row is not None:
             raise ValueError(f"query_abs_pos: row {row} is {int(query_abs_pos[row])}, past key's {seq} tokens")
-    scale = d ** -0.5 if scale is None else float(scale)
+    scale = d**-0.5 if scale is None else float(scale)
     group = hq // hkv
     result = torch.zeros(n_rows, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((n_rows, hq), float("-inf"), dtype=torch.float32, device=q.device)

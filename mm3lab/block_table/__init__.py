@@ -121,8 +121,9 @@ def build_sparse_block_table_decode(
             the request).
     """
     check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out)
-    return _build("build_sparse_block_table_decode", topk_idx, block_table, (seq_lens, decode_query_len),
-                  block_page_stride, out)
+    return _build(
+        "build_sparse_block_table_decode", topk_idx, block_table, (seq_lens, decode_query_len), block_page_stride, out
+    )
 
 
 def build_sparse_block_table_prefill(
@@ -153,5 +154,6 @@ def build_sparse_block_table_prefill(
         a block past the table as not selected.
     """
     check_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride, out)
-    return _build("build_sparse_block_table_prefill", topk_idx, block_table, (query_req_id, query_abs_pos),
-                  block_page_stride, out)
+    return _build(
+        "build_sparse_block_table_prefill", topk_idx, block_table, (query_req_id, query_abs_pos), block_page_stride, out
+    )

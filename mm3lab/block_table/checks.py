@@ -63,8 +63,7 @@ def _topk_past_table(topk_idx: torch.Tensor, width: int):
         ids = topk_idx[head, row].tolist()
         bad = next(b for b in ids if b >= width)
         return (
-            f"topk_idx: head {head}, row {row} selects block {bad}, past the block table's {width} blocks "
-            f"(row {ids})"
+            f"topk_idx: head {head}, row {row} selects block {bad}, past the block table's {width} blocks (row {ids})"
         )
 
     return mask, message
@@ -75,7 +74,9 @@ def _page_overflow(block_table, blocks_used, block_page_stride: int):
     top = (2**31 - PAGES_PER_SPARSE_BLOCK) // block_page_stride
     bottom = -(2**31) // block_page_stride
     return table_entry_check(
-        block_table, blocks_used, (block_table > top) | (block_table < bottom),
+        block_table,
+        blocks_used,
+        (block_table > top) | (block_table < bottom),
         lambda phys: (
             f"is physical block {phys}, whose page ids (x {block_page_stride}) do not fit int32: "
             f"physical ids must lie in [{bottom}, {top}]"
@@ -129,8 +130,9 @@ def check_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page
         Segment("live", query_req_id, lo=0, hi=b - 1, aux=query_abs_pos),
         Segment("all", query_abs_pos, hi=capacity - 1),
         Segment("all", topk_idx, hi=m - 1) if k else None,
-        Segment("gather", block_table, lo=bottom, hi=top, aux=query_req_id, pos=query_abs_pos,
-                unit=SPARSE_BLOCK_SIZE) if m else None,
+        Segment("gather", block_table, lo=bottom, hi=top, aux=query_req_id, pos=query_abs_pos, unit=SPARSE_BLOCK_SIZE)
+        if m
+        else None,
     ]
 
     def detail() -> None:

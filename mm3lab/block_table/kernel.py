@@ -94,17 +94,22 @@ def emit_sparse_block_table_row(
 @triton.jit
 def _build_sparse_block_table(
     topk_ptr,  # [H, N, K] int32/int64, any strides
-    stride_th, stride_tn, stride_tk,
+    stride_th,
+    stride_tn,
+    stride_tk,
     bt_ptr,  # [B, M] int32/int64 block_table
-    stride_bb, stride_bm,
-    B, M,
+    stride_bb,
+    stride_bm,
+    B,
+    M,
     req_ptr,  # prefill: [N] query_req_id; decode: [B] seq_lens
     stride_r,
     pos_ptr,  # prefill: [N] query_abs_pos; decode: unused
     stride_p,
     out_bt_ptr,  # [H, N, K * PAGES] int32, contiguous
     out_ctx_ptr,  # [H, N] int32, contiguous
-    N, K,
+    N,
+    K,
     DQL,  # decode_query_len (decode only)
     PREFILL: tl.constexpr,
     K_BLOCK: tl.constexpr,
@@ -119,8 +124,17 @@ def _build_sparse_block_table(
     blk = tl.load(topk_ptr + h * stride_th + n * stride_tn + slots * stride_tk, mask=slots < K, other=-1)
     row = h * N + n
     ctx = emit_sparse_block_table_row(
-        blk, p, bt_ptr + req * stride_bb, stride_bm, M, out_bt_ptr + row * (K * PAGES), K,
-        K_BLOCK=K_BLOCK, BLOCK_PAGE_STRIDE=BLOCK_PAGE_STRIDE, SPARSE_BLOCK=SPARSE_BLOCK, PAGES=PAGES,
+        blk,
+        p,
+        bt_ptr + req * stride_bb,
+        stride_bm,
+        M,
+        out_bt_ptr + row * (K * PAGES),
+        K,
+        K_BLOCK=K_BLOCK,
+        BLOCK_PAGE_STRIDE=BLOCK_PAGE_STRIDE,
+        SPARSE_BLOCK=SPARSE_BLOCK,
+        PAGES=PAGES,
     )
     tl.store(out_ctx_ptr + row, ctx)
 
@@ -134,12 +148,26 @@ def _launch(topk_idx, block_table, req, pos, dql, prefill, block_page_stride, sp
         block_table = torch.zeros(1, 1, dtype=block_table.dtype, device=block_table.device)
     k_block = max(1, triton.next_power_of_2(k))
     _build_sparse_block_table[(n, h)](
-        topk_idx, *topk_idx.stride(),
-        block_table, *block_table.stride(), b, m,
-        req, req.stride(0), pos, pos.stride(0),
-        sparse_bt, sparse_ctx, n, k, dql,
-        PREFILL=prefill, K_BLOCK=k_block, BLOCK_PAGE_STRIDE=block_page_stride,
-        SPARSE_BLOCK=SPARSE_BLOCK_SIZE, PAGES=PAGES_PER_SPARSE_BLOCK,
+        topk_idx,
+        *topk_idx.stride(),
+        block_table,
+        *block_table.stride(),
+        b,
+        m,
+        req,
+        req.stride(0),
+        pos,
+        pos.stride(0),
+        sparse_bt,
+        sparse_ctx,
+        n,
+        k,
+        dql,
+        PREFILL=prefill,
+        K_BLOCK=k_block,
+        BLOCK_PAGE_STRIDE=block_page_stride,
+        SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
+        PAGES=PAGES_PER_SPARSE_BLOCK,
         num_warps=1 if k_block <= 32 else 4,
     )
 
@@ -148,8 +176,9 @@ def build_sparse_block_table_decode_kernel(
     topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, sparse_bt, sparse_ctx
 ) -> None:
     """Launch the decode table into ``sparse_bt``/``sparse_ctx`` (arguments already validated)."""
-    _launch(topk_idx, block_table, seq_lens, seq_lens, decode_query_len, False, block_page_stride,
-            sparse_bt, sparse_ctx)
+    _launch(
+        topk_idx, block_table, seq_lens, seq_lens, decode_query_len, False, block_page_stride, sparse_bt, sparse_ctx
+    )
 
 
 def build_sparse_block_table_prefill_kernel(

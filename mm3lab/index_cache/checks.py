@@ -115,8 +115,17 @@ def check_token_slots(block_table, query_req_id, query_abs_pos) -> None:
     segments = [
         Segment("live", query_req_id, lo=0, hi=b - 1, aux=query_abs_pos),
         Segment("live", query_abs_pos, hi=m * SPARSE_BLOCK_SIZE - 1, aux=query_abs_pos),
-        Segment("gather_last", block_table, lo=0, hi=MAX_SLOT_BLOCK - 1, aux=query_req_id, pos=query_abs_pos,
-                unit=SPARSE_BLOCK_SIZE) if m else None,
+        Segment(
+            "gather_last",
+            block_table,
+            lo=0,
+            hi=MAX_SLOT_BLOCK - 1,
+            aux=query_req_id,
+            pos=query_abs_pos,
+            unit=SPARSE_BLOCK_SIZE,
+        )
+        if m
+        else None,
     ]
     value_checks(segments, lambda: _token_slots_detail(block_table, query_req_id, query_abs_pos))
 
@@ -133,16 +142,29 @@ def _token_slots_detail(block_table, query_req_id, query_abs_pos) -> None:
     if b and m and pos.numel():
         physical = block_table.to(torch.int64)[torch.where(ok, req, 0), torch.where(ok, pos // SPARSE_BLOCK_SIZE, 0)]
     bad_block = ok & ((physical < 0) | (physical >= MAX_SLOT_BLOCK))
-    raise_first([
-        (bad_req, lambda row: (
-            f"query_req_id: row {row} has request {int(req[row])}, outside the block table's {b} requests [0, {b})"
-        )),
-        (bad_pos, lambda row: (
-            f"query_abs_pos: row {row} has position {int(pos[row])}, past the block table's "
-            f"{m} blocks = {m * SPARSE_BLOCK_SIZE} tokens"
-        )),
-        (bad_block, lambda row: (
-            f"block_table: row {row} (request {int(req[row])}, logical block {int(pos[row]) // SPARSE_BLOCK_SIZE}) "
-            f"maps to physical block {int(physical[row])}, outside [0, {MAX_SLOT_BLOCK}) (a slot must be an int64)"
-        )),
-    ])
+    raise_first(
+        [
+            (
+                bad_req,
+                lambda row: (
+                    f"query_req_id: row {row} has request {int(req[row])}, outside the block table's "
+                    f"{b} requests [0, {b})"
+                ),
+            ),
+            (
+                bad_pos,
+                lambda row: (
+                    f"query_abs_pos: row {row} has position {int(pos[row])}, past the block table's "
+                    f"{m} blocks = {m * SPARSE_BLOCK_SIZE} tokens"
+                ),
+            ),
+            (
+                bad_block,
+                lambda row: (
+                    f"block_table: row {row} (request {int(req[row])}, logical block "
+                    f"{int(pos[row]) // SPARSE_BLOCK_SIZE}) maps to physical block {int(physical[row])}, "
+                    f"outside [0, {MAX_SLOT_BLOCK}) (a slot must be an int64)"
+                ),
+            ),
+        ]
+    )

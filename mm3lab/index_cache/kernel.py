@@ -21,12 +21,15 @@ FP8_MAX = tl.constexpr(_FP8_MAX_VALUE)
 @triton.jit
 def _insert_index_cache(
     index_k_ptr,  # [N, Di] any row stride, any dim stride
-    stride_kn, stride_kd,
+    stride_kn,
+    stride_kd,
     cache_ptr,  # [num_blocks, 128, Di], head dim contiguous
-    stride_cb, stride_ct,
+    stride_cb,
+    stride_ct,
     slot_ptr,  # [N] int32/int64 slots, negative = padding
     stride_s,
-    N, Di,
+    N,
+    Di,
     capacity,  # num_blocks * 128
     scale_ptr,  # [num_blocks, 128] float32 per-token scales (QUANT only)
     stride_sb,
@@ -66,13 +69,23 @@ def insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale=No
     block_n = max(1, min(32, 4096 // block_d, triton.next_power_of_2(n)))
     grid = (triton.cdiv(n, block_n), triton.cdiv(di, block_d))
     _insert_index_cache[grid](
-        index_k, *index_k.stride(),
-        index_cache, index_cache.stride(0), index_cache.stride(1),
-        slot_mapping, slot_mapping.stride(0),
-        n, di, index_cache.shape[0] * SPARSE_BLOCK_SIZE,
-        index_scale if quant else slot_mapping, index_scale.stride(0) if quant else 0,
-        QUANT=quant, INTERPRETED=backend.INTERPRETER,
-        BLOCK_N=block_n, BLOCK_D=block_d, SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
+        index_k,
+        *index_k.stride(),
+        index_cache,
+        index_cache.stride(0),
+        index_cache.stride(1),
+        slot_mapping,
+        slot_mapping.stride(0),
+        n,
+        di,
+        index_cache.shape[0] * SPARSE_BLOCK_SIZE,
+        index_scale if quant else slot_mapping,
+        index_scale.stride(0) if quant else 0,
+        QUANT=quant,
+        INTERPRETED=backend.INTERPRETER,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
         num_warps=4,
     )
 

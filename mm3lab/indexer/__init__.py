@@ -74,7 +74,17 @@ def _scores(
         index_q = index_q.float()  # exact; the interpreter's bfloat16 arithmetic is not
     scores = torch.empty(h, n, block_table.shape[1], dtype=torch.float32, device=index_q.device)
     index_scores_kernel(
-        index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced, scores,
+        index_q,
+        index_cache,
+        block_table,
+        req,
+        pos,
+        dql,
+        prefill,
+        init_blocks,
+        local_blocks,
+        forced,
+        scores,
         index_scale=index_scale,
     )
     return scores
@@ -97,7 +107,8 @@ def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_p
         return (topk_idx, *build_sparse_block_table_decode(topk_idx, block_table, req, dql, block_page_stride))
     if block_table is not None:
         tables = dict(
-            block_table=block_table, block_page_stride=block_page_stride,
+            block_table=block_table,
+            block_page_stride=block_page_stride,
             sparse_bt=torch.empty(h, n, topk * PAGES_PER_SPARSE_BLOCK, dtype=torch.int32, device=scores.device),
             sparse_ctx=torch.empty(h, n, dtype=torch.int32, device=scores.device),
         )
@@ -118,14 +129,31 @@ def _select(entry, index_q, index_cache, block_table, rows, topk, init_blocks, l
     row_args, extra = ((first,), (second,)) if decode else ((first, second), ())
     if not _use_kernel(entry, index_q, index_cache, block_table, *row_args):
         return getattr(reference, entry)(
-            index_q, index_cache, block_table, *row_args, topk, *extra, init_blocks, local_blocks, *table,
+            index_q,
+            index_cache,
+            block_table,
+            *row_args,
+            topk,
+            *extra,
+            init_blocks,
+            local_blocks,
+            *table,
             index_scale=index_scale,
         )
     if table and topk > MAX_KERNEL_TOPK:
         backend.fallback_taken(entry, "topk-over-512")
     req, pos, dql = (first, first, second) if decode else (first, second, 1)
     scores = _scores(
-        index_q, index_cache, block_table, req, pos, dql, not decode, init_blocks, local_blocks, True,
+        index_q,
+        index_cache,
+        block_table,
+        req,
+        pos,
+        dql,
+        not decode,
+        init_blocks,
+        local_blocks,
+        True,
         index_scale=index_scale,
     )
     tables = (block_table, *table) if table else ()
@@ -170,11 +198,26 @@ def index_scores_decode(
     )
     if not _use_kernel("index_scores_decode", index_q, index_cache, block_table, seq_lens):
         return reference.index_scores_decode(
-            index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, forced,
+            index_q,
+            index_cache,
+            block_table,
+            seq_lens,
+            decode_query_len,
+            init_blocks,
+            local_blocks,
+            forced,
             index_scale=index_scale,
         )
     return _scores(
-        index_q, index_cache, block_table, seq_lens, seq_lens, decode_query_len, False, init_blocks, local_blocks,
+        index_q,
+        index_cache,
+        block_table,
+        seq_lens,
+        seq_lens,
+        decode_query_len,
+        False,
+        init_blocks,
+        local_blocks,
         bool(forced),
         index_scale=index_scale,
     )
@@ -204,11 +247,26 @@ def index_scores_prefill(
     )
     if not _use_kernel("index_scores_prefill", index_q, index_cache, block_table, query_req_id, query_abs_pos):
         return reference.index_scores_prefill(
-            index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, forced,
+            index_q,
+            index_cache,
+            block_table,
+            query_req_id,
+            query_abs_pos,
+            init_blocks,
+            local_blocks,
+            forced,
             index_scale=index_scale,
         )
     return _scores(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, 1, True, init_blocks, local_blocks,
+        index_q,
+        index_cache,
+        block_table,
+        query_req_id,
+        query_abs_pos,
+        1,
+        True,
+        init_blocks,
+        local_blocks,
         bool(forced),
         index_scale=index_scale,
     )
@@ -254,7 +312,14 @@ def index_topk_decode(
     )
     rows = ("decode", seq_lens, decode_query_len)
     return _select(
-        "index_topk_decode", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks,
+        "index_topk_decode",
+        index_q,
+        index_cache,
+        block_table,
+        rows,
+        topk,
+        init_blocks,
+        local_blocks,
         index_scale=index_scale,
     )
 
@@ -283,7 +348,14 @@ def index_topk_prefill(
     )
     rows = ("prefill", query_req_id, query_abs_pos)
     return _select(
-        "index_topk_prefill", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks,
+        "index_topk_prefill",
+        index_q,
+        index_cache,
+        block_table,
+        rows,
+        topk,
+        init_blocks,
+        local_blocks,
         index_scale=index_scale,
     )
 
@@ -318,8 +390,16 @@ def index_topk_block_table_decode(
     check_block_page_stride(block_page_stride)
     rows = ("decode", seq_lens, decode_query_len)
     return _select(
-        "index_topk_block_table_decode", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks,
-        block_page_stride, index_scale=index_scale,
+        "index_topk_block_table_decode",
+        index_q,
+        index_cache,
+        block_table,
+        rows,
+        topk,
+        init_blocks,
+        local_blocks,
+        block_page_stride,
+        index_scale=index_scale,
     )
 
 
@@ -344,8 +424,16 @@ def index_topk_block_table_prefill(
     check_block_page_stride(block_page_stride)
     rows = ("prefill", query_req_id, query_abs_pos)
     return _select(
-        "index_topk_block_table_prefill", index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks,
-        block_page_stride, index_scale=index_scale,
+        "index_topk_block_table_prefill",
+        index_q,
+        index_cache,
+        block_table,
+        rows,
+        topk,
+        init_blocks,
+        local_blocks,
+        block_page_stride,
+        index_scale=index_scale,
     )
 
 

@@ -121,7 +121,7 @@ def full_attention(seq, positions: torch.Tensor, scale: float | None = None) -> 
     Returns:
         ``[Hq, T, S]`` float32 probabilities (zero after each row's position).
     """
-    scale = seq.head_dim ** -0.5 if scale is None else scale
+    scale = seq.head_dim**-0.5 if scale is None else scale
     pos = torch.as_tensor(positions, dtype=torch.int64).cpu()
     q = seq.q.float().cpu()[pos]  # [T, Hq, D]
     group = seq.num_q_heads // seq.num_kv_heads

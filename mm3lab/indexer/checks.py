@@ -81,7 +81,9 @@ def _check_common(index_q, index_cache, block_table, topk, init_blocks, local_bl
 def _table_entries_check(block_table, blocks_used, num_blocks, cache: str = "the index cache"):
     """A physical id outside ``cache`` (``num_blocks`` blocks) among the entries row ``r`` reads."""
     return table_entry_check(
-        block_table, blocks_used, (block_table < 0) | (block_table >= num_blocks),
+        block_table,
+        blocks_used,
+        (block_table < 0) | (block_table >= num_blocks),
         lambda phys: f"maps to physical block {phys}, outside {cache}'s {num_blocks} blocks",
     )
 
@@ -104,7 +106,8 @@ def check_table_entries(block_table, req, pos, num_blocks: int, cache: str, seq_
         Segment("all", seq_lens, hi=capacity) if seq_lens is not None else None,
         Segment("live", pos, hi=capacity - 1, aux=pos),
         Segment("gather", block_table, lo=0, hi=num_blocks - 1, aux=req, pos=pos, unit=SPARSE_BLOCK_SIZE)
-        if m else None,
+        if m
+        else None,
     ]
 
     def detail() -> None:
@@ -138,10 +141,12 @@ def check_decode(
     ]
 
     def detail() -> None:
-        _raise_first([
-            seq_lens_check(seq_lens, m),
-            _table_entries_check(block_table, blocks_used_decode(seq_lens, m), index_cache.shape[0]),
-        ])
+        _raise_first(
+            [
+                seq_lens_check(seq_lens, m),
+                _table_entries_check(block_table, blocks_used_decode(seq_lens, m), index_cache.shape[0]),
+            ]
+        )
 
     _value_checks(segments, detail)
 
@@ -157,8 +162,11 @@ def check_prefill(
     check_index("query_req_id", query_req_id, shape=(n,))
     check_index("query_abs_pos", query_abs_pos, shape=(n,))
     check_same_device(
-        index_q=index_q, index_cache=index_cache, block_table=block_table,
-        query_req_id=query_req_id, query_abs_pos=query_abs_pos,
+        index_q=index_q,
+        index_cache=index_cache,
+        block_table=block_table,
+        query_req_id=query_req_id,
+        query_abs_pos=query_abs_pos,
     )
     if not validation_enabled() or n == 0:
         return
@@ -167,15 +175,20 @@ def check_prefill(
     segments = [
         Segment("live", query_req_id, lo=0, hi=b - 1, aux=query_abs_pos),
         Segment("all", query_abs_pos, hi=capacity - 1),
-        Segment("gather", block_table, lo=0, hi=num_blocks - 1, aux=query_req_id, pos=query_abs_pos,
-                unit=SPARSE_BLOCK_SIZE) if m else None,
+        Segment(
+            "gather", block_table, lo=0, hi=num_blocks - 1, aux=query_req_id, pos=query_abs_pos, unit=SPARSE_BLOCK_SIZE
+        )
+        if m
+        else None,
     ]
 
     def detail() -> None:
         blocks_used = blocks_used_prefill(query_req_id, query_abs_pos, b, m)
-        _raise_first([
-            *prefill_row_checks(query_req_id, query_abs_pos, b, m),
-            _table_entries_check(block_table, blocks_used, index_cache.shape[0]),
-        ])
+        _raise_first(
+            [
+                *prefill_row_checks(query_req_id, query_abs_pos, b, m),
+                _table_entries_check(block_table, blocks_used, index_cache.shape[0]),
+            ]
+        )
 
     _value_checks(segments, detail)

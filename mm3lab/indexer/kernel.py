@@ -85,8 +85,18 @@ _RAW_LIMIT = tl.constexpr(RAW_SCORE_LIMIT)
 
 @triton.jit
 def _tile_rows(
-    t, qi, N, B, DQL, TILES_PER_REQ, req_ptr, stride_r, pos_ptr, stride_p,
-    PREFILL: tl.constexpr, BLOCK_Q: tl.constexpr,
+    t,
+    qi,
+    N,
+    B,
+    DQL,
+    TILES_PER_REQ,
+    req_ptr,
+    stride_r,
+    pos_ptr,
+    stride_p,
+    PREFILL: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
 ):
     """Rows of tile ``t`` at lanes ``qi`` (0 .. BLOCK_Q - 1): ``(n, live, request, p)``, ``p = -1`` unless live."""
     if PREFILL:
@@ -105,8 +115,22 @@ def _tile_rows(
 
 @triton.jit
 def _shared_block_dots(
-    q, q_lo, q_scale, cache_ptr, scale_ptr, stride_sb, phys, stride_cb, stride_ct, lanes_ok, last_tok, tok, dims,
-    dim_ok, IEEE: tl.constexpr, FP8: tl.constexpr,
+    q,
+    q_lo,
+    q_scale,
+    cache_ptr,
+    scale_ptr,
+    stride_sb,
+    phys,
+    stride_cb,
+    stride_ct,
+    lanes_ok,
+    last_tok,
+    tok,
+    dims,
+    dim_ok,
+    IEEE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Dots of every lane with physical block ``phys``'s keys (a block inside the cache), and which
     of them the lanes see (``lanes_ok`` and causal); keys no lane sees are not read.
@@ -118,7 +142,8 @@ def _shared_block_dots(
     tok_read = tok <= tile_last
     keys = tl.load(
         cache_ptr + phys * stride_cb + tok[:, None] * stride_ct + dims[None, :],
-        mask=tok_read[:, None] & dim_ok[None, :], other=0.0,
+        mask=tok_read[:, None] & dim_ok[None, :],
+        other=0.0,
     )
     if FP8:
         k_t = tl.trans(keys)
@@ -135,19 +160,33 @@ def _shared_block_dots(
 @triton.jit
 def _index_scores(
     q_ptr,  # [N, H, Di] index queries, any strides
-    stride_qn, stride_qh, stride_qd,
+    stride_qn,
+    stride_qh,
+    stride_qd,
     cache_ptr,  # [num_blocks, 128, Di] index keys, head dim contiguous
-    stride_cb, stride_ct,
+    stride_cb,
+    stride_ct,
     bt_ptr,  # [B, M] block_table
-    stride_bb, stride_bm,
-    req_ptr, stride_r,  # prefill: [N] query_req_id; decode: [B] seq_lens
-    pos_ptr, stride_p,  # prefill: [N] query_abs_pos; decode: unused
+    stride_bb,
+    stride_bm,
+    req_ptr,
+    stride_r,  # prefill: [N] query_req_id; decode: [B] seq_lens
+    pos_ptr,
+    stride_p,  # prefill: [N] query_abs_pos; decode: unused
     out_ptr,  # [H, N, M] float32, contiguous
-    scale_ptr, stride_sb,  # FP8 keys: [num_blocks, 128] float32 per-token scales
-    N, H, Di, B, M, num_blocks,
-    DQL, TILES_PER_REQ,  # decode: queries per request and row tiles per request
+    scale_ptr,
+    stride_sb,  # FP8 keys: [num_blocks, 128] float32 per-token scales
+    N,
+    H,
+    Di,
+    B,
+    M,
+    num_blocks,
+    DQL,
+    TILES_PER_REQ,  # decode: queries per request and row tiles per request
     blocks_per_program,
-    init_blocks, local_blocks,
+    init_blocks,
+    local_blocks,
     PREFILL: tl.constexpr,
     FORCE: tl.constexpr,
     IEEE: tl.constexpr,
@@ -175,7 +214,8 @@ def _index_scores(
     dim_ok = dims < Di
     q = tl.load(
         q_ptr + n[:, None] * stride_qn + head[:, None] * stride_qh + dims[None, :] * stride_qd,
-        mask=lane_ok[:, None] & dim_ok[None, :], other=0.0,
+        mask=lane_ok[:, None] & dim_ok[None, :],
+        other=0.0,
     )
     q_lo = q
     q_scale = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -207,8 +247,22 @@ def _index_scores(
         while cur < num_blocks:
             mine = todo & (physical == cur)
             dots_c, sel = _shared_block_dots(
-                q, q_lo, q_scale, cache_ptr, scale_ptr, stride_sb, cur, stride_cb, stride_ct, mine, last_tok, tok,
-                dims, dim_ok, IEEE, FP8,
+                q,
+                q_lo,
+                q_scale,
+                cache_ptr,
+                scale_ptr,
+                stride_sb,
+                cur,
+                stride_cb,
+                stride_ct,
+                mine,
+                last_tok,
+                tok,
+                dims,
+                dim_ok,
+                IEEE,
+                FP8,
             )
             dots = tl.where(sel, dots_c, dots)
             seen = seen | sel
@@ -238,8 +292,21 @@ def _num_sms(device) -> int:
 
 
 def index_scores_kernel(
-    index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced, out,
-    *, index_scale=None, block_q: int | None = None, blocks_per_program: int | None = None,
+    index_q,
+    index_cache,
+    block_table,
+    req,
+    pos,
+    dql,
+    prefill,
+    init_blocks,
+    local_blocks,
+    forced,
+    out,
+    *,
+    index_scale=None,
+    block_q: int | None = None,
+    blocks_per_program: int | None = None,
 ) -> None:
     """Launch the scoring kernel into ``out [H, N, M]`` float32 (arguments already validated).
 
@@ -278,18 +345,39 @@ def index_scores_kernel(
     if block_table.numel() == 0:
         block_table = torch.zeros(1, 1, dtype=torch.int32, device=index_q.device)
     _index_scores[(tiles, chunks)](
-        index_q, *index_q.stride(),
-        index_cache, index_cache.stride(0), index_cache.stride(1),
-        block_table, *block_table.stride(),
-        req, req.stride(0), pos, pos.stride(0),
+        index_q,
+        *index_q.stride(),
+        index_cache,
+        index_cache.stride(0),
+        index_cache.stride(1),
+        block_table,
+        *block_table.stride(),
+        req,
+        req.stride(0),
+        pos,
+        pos.stride(0),
         out,
-        index_scale if fp8 else out, index_scale.stride(0) if fp8 else 0,
-        n, h, di, b, m, index_cache.shape[0],
-        dql, tiles_per_req, blocks_per_program,
-        init_blocks, local_blocks,
-        PREFILL=prefill, FORCE=forced, IEEE=index_q.dtype == torch.float32 and not fp8,
-        FP8=fp8, INTERPRETED=backend.INTERPRETER,
-        BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_D=max(32 if fp8 else 16, triton.next_power_of_2(di)),
+        index_scale if fp8 else out,
+        index_scale.stride(0) if fp8 else 0,
+        n,
+        h,
+        di,
+        b,
+        m,
+        index_cache.shape[0],
+        dql,
+        tiles_per_req,
+        blocks_per_program,
+        init_blocks,
+        local_blocks,
+        PREFILL=prefill,
+        FORCE=forced,
+        IEEE=index_q.dtype == torch.float32 and not fp8,
+        FP8=fp8,
+        INTERPRETED=backend.INTERPRETER,
+        BLOCK_Q=block_q,
+        BLOCK_H=block_h,
+        BLOCK_D=max(32 if fp8 else 16, triton.next_power_of_2(di)),
         SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
         num_warps=4,
     )
@@ -337,8 +425,19 @@ def _top_keys(keys, K, BLOCK_R: tl.constexpr, K_BLOCK: tl.constexpr, BITONIC: tl
 
 @triton.jit
 def _row_positions(
-    row, row_ok, N, W, req_ptr, stride_r, pos_ptr, stride_p, B, DQL,
-    CAUSAL: tl.constexpr, PREFILL: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+    row,
+    row_ok,
+    N,
+    W,
+    req_ptr,
+    stride_r,
+    pos_ptr,
+    stride_p,
+    B,
+    DQL,
+    CAUSAL: tl.constexpr,
+    PREFILL: tl.constexpr,
+    SPARSE_BLOCK: tl.constexpr,
 ):
     """``(n, request, p, valid)`` of flattened rows ``h * N + n``: candidates are 0 .. valid - 1."""
     n = row % N
@@ -355,13 +454,24 @@ def _row_positions(
 @triton.jit
 def _topk_rows(
     scores_ptr,  # [H, N, W] float scores, any strides
-    stride_sh, stride_sn, stride_sw,
+    stride_sh,
+    stride_sn,
+    stride_sw,
     topk_ptr,  # [H, N, K] int32 out, contiguous
-    H, N, W, K,
-    req_ptr, stride_r,  # prefill: [N] query_req_id; decode: [B] seq_lens (CAUSAL only)
-    pos_ptr, stride_p,
-    B, DQL,
-    bt_ptr, stride_bb, stride_bm, M,  # block_table (EMIT_TABLE only)
+    H,
+    N,
+    W,
+    K,
+    req_ptr,
+    stride_r,  # prefill: [N] query_req_id; decode: [B] seq_lens (CAUSAL only)
+    pos_ptr,
+    stride_p,
+    B,
+    DQL,
+    bt_ptr,
+    stride_bb,
+    stride_bm,
+    M,  # block_table (EMIT_TABLE only)
     sbt_ptr,  # [H, N, K * 8] int32 out (EMIT_TABLE only)
     ctx_ptr,  # [H, N] int32 out (EMIT_TABLE only)
     CAUSAL: tl.constexpr,  # False: every column a candidate; True: the rows' positions bound them
@@ -430,17 +540,40 @@ def _topk_rows(
                 p_r = tl.reduce(tl.where(this, p, -1), 0, _max)
                 req_r = tl.reduce(tl.where(this, req, 0), 0, _max)
                 ctx = emit_sparse_block_table_row(
-                    blk_r, p_r, bt_ptr + req_r * stride_bb, stride_bm, M, sbt_ptr + row_r * (K * PAGES), K,
-                    K_BLOCK=K_BLOCK, BLOCK_PAGE_STRIDE=BLOCK_PAGE_STRIDE, SPARSE_BLOCK=SPARSE_BLOCK, PAGES=PAGES,
+                    blk_r,
+                    p_r,
+                    bt_ptr + req_r * stride_bb,
+                    stride_bm,
+                    M,
+                    sbt_ptr + row_r * (K * PAGES),
+                    K,
+                    K_BLOCK=K_BLOCK,
+                    BLOCK_PAGE_STRIDE=BLOCK_PAGE_STRIDE,
+                    SPARSE_BLOCK=SPARSE_BLOCK,
+                    PAGES=PAGES,
                 )
                 tl.store(ctx_ptr + row_r, ctx)
 
 
 def topk_kernel(
-    scores, topk, topk_idx, *, positions=0, req=None, pos=None, batch=0, dql=1,
-    block_table=None, block_page_stride=PAGES_PER_SPARSE_BLOCK, sparse_bt=None, sparse_ctx=None,
-    max_register_row: int = MAX_REGISTER_ROW, rows_per_program: int | None = None, algorithm: str | None = None,
-    num_warps: int | None = None, group: int | None = None,
+    scores,
+    topk,
+    topk_idx,
+    *,
+    positions=0,
+    req=None,
+    pos=None,
+    batch=0,
+    dql=1,
+    block_table=None,
+    block_page_stride=PAGES_PER_SPARSE_BLOCK,
+    sparse_bt=None,
+    sparse_ctx=None,
+    max_register_row: int = MAX_REGISTER_ROW,
+    rows_per_program: int | None = None,
+    algorithm: str | None = None,
+    num_warps: int | None = None,
+    group: int | None = None,
 ) -> None:
     """Launch the top-k (optionally fused with the sparse block table) over ``scores [H, N, W]``.
 
@@ -491,14 +624,36 @@ def topk_kernel(
         )
     tile = rows_per_program * block_w
     _topk_rows[(triton.cdiv(rows, rows_per_program),)](
-        scores, *scores.stride(),
-        topk_idx, h, n, w, topk,
-        req, req.stride(0), pos, pos.stride(0), batch, dql,
-        block_table, *block_table.stride(), m,
-        sparse_bt, sparse_ctx,
-        CAUSAL=positions != 0, PREFILL=positions == 2, EMIT_TABLE=emit, BLOCK_R=rows_per_program,
-        BLOCK_W=block_w, ONE_CHUNK=w <= block_w, GROUP=group, BITONIC=bitonic, K_BLOCK=k_block,
-        BLOCK_PAGE_STRIDE=block_page_stride, SPARSE_BLOCK=SPARSE_BLOCK_SIZE, PAGES=PAGES_PER_SPARSE_BLOCK,
+        scores,
+        *scores.stride(),
+        topk_idx,
+        h,
+        n,
+        w,
+        topk,
+        req,
+        req.stride(0),
+        pos,
+        pos.stride(0),
+        batch,
+        dql,
+        block_table,
+        *block_table.stride(),
+        m,
+        sparse_bt,
+        sparse_ctx,
+        CAUSAL=positions != 0,
+        PREFILL=positions == 2,
+        EMIT_TABLE=emit,
+        BLOCK_R=rows_per_program,
+        BLOCK_W=block_w,
+        ONE_CHUNK=w <= block_w,
+        GROUP=group,
+        BITONIC=bitonic,
+        K_BLOCK=k_block,
+        BLOCK_PAGE_STRIDE=block_page_stride,
+        SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
+        PAGES=PAGES_PER_SPARSE_BLOCK,
         num_warps=num_warps or (8 if tile >= 4096 and group == 1 else (4 if tile >= 1024 else 2)),
     )
 

@@ -166,7 +166,7 @@ def _full_attention64(seq, positions: torch.Tensor) -> torch.Tensor:
     group = seq.num_q_heads // seq.num_kv_heads
     q = seq.q.cpu().double()[pos]
     k = seq.k.cpu().double().repeat_interleave(group, dim=1)
-    logits = torch.einsum("thd,shd->hts", q, k) * seq.head_dim ** -0.5
+    logits = torch.einsum("thd,shd->hts", q, k) * seq.head_dim**-0.5
     future = torch.arange(seq.seq_len).view(1, 1, -1) > pos.view(1, -1, 1)
     return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
 
@@ -210,10 +210,16 @@ def quality_table(
         for context in contexts:
             cmp = compare(pattern, int(context), max(topks), rows, seed)
             for k in topks:
-                table.append(QualityRow(
-                    pattern, int(context), int(k), round(cmp.recall(k), 3),
-                    round(cmp.mass("bf16", k), 3), round(cmp.mass("fp8", k), 3),
-                ))
+                table.append(
+                    QualityRow(
+                        pattern,
+                        int(context),
+                        int(k),
+                        round(cmp.recall(k), 3),
+                        round(cmp.mass("bf16", k), 3),
+                        round(cmp.mass("fp8", k), 3),
+                    )
+                )
     return table
 
 

@@ -277,7 +277,14 @@ def index_topk_block_table_decode(
     """
     check_block_page_stride(block_page_stride)
     topk_idx = index_topk_decode(
-        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks,
+        index_q,
+        index_cache,
+        block_table,
+        seq_lens,
+        topk,
+        decode_query_len,
+        init_blocks,
+        local_blocks,
         index_scale=index_scale,
     )
     sparse_bt, sparse_ctx = build_sparse_block_table_decode(
@@ -302,7 +309,14 @@ def index_topk_block_table_prefill(
     """:func:`index_topk_prefill`, then :func:`mm3lab.reference.build_sparse_block_table_prefill`."""
     check_block_page_stride(block_page_stride)
     topk_idx = index_topk_prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks,
+        index_q,
+        index_cache,
+        block_table,
+        query_req_id,
+        query_abs_pos,
+        topk,
+        init_blocks,
+        local_blocks,
         index_scale=index_scale,
     )
     sparse_bt, sparse_ctx = build_sparse_block_table_prefill(

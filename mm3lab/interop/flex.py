@@ -48,7 +48,7 @@ def pack_kv(x: torch.Tensor, seq_lens) -> torch.Tensor:
     packed = x.new_zeros(1, hkv, max(kv_len, SPARSE_BLOCK_SIZE), d)
     for r, length in enumerate(torch.as_tensor(seq_lens).tolist()):
         start = int(offset[r]) * SPARSE_BLOCK_SIZE
-        packed[0, :, start:start + length] = x[r, :length].transpose(0, 1)
+        packed[0, :, start : start + length] = x[r, :length].transpose(0, 1)
     return packed
 
 
@@ -63,8 +63,9 @@ def selected_blocks(topk_idx, query_req_id, query_abs_pos, seq_lens) -> torch.Te
     pos = query_abs_pos.to(device=device, dtype=torch.int64)
     blk = topk_idx.to(torch.int64)
     ok = (blk >= 0) & (pos >= 0)[None, :, None] & (blk <= (pos // SPARSE_BLOCK_SIZE)[None, :, None])
-    req_blocks = ((torch.as_tensor(seq_lens, device=device).to(torch.int64) + SPARSE_BLOCK_SIZE - 1)
-                  // SPARSE_BLOCK_SIZE)[req]
+    req_blocks = (
+        (torch.as_tensor(seq_lens, device=device).to(torch.int64) + SPARSE_BLOCK_SIZE - 1) // SPARSE_BLOCK_SIZE
+    )[req]
     ok &= blk < req_blocks[None, :, None]
     target = torch.where(ok, offset[req][None, :, None] + blk, kv_blocks)  # kv_blocks: a dump column
     sel = torch.zeros(hkv, n, kv_blocks + 1, dtype=torch.bool, device=device)
@@ -126,7 +127,7 @@ def block_mask(
     lens = torch.as_tensor(seq_lens, dtype=torch.int64).to(device)
     for r in range(len(lens)):  # host loop over requests only
         blocks = int((int(lens[r]) + SPARSE_BLOCK_SIZE - 1) // SPARSE_BLOCK_SIZE)
-        req_of_block[int(offset[r]):int(offset[r]) + blocks] = r
+        req_of_block[int(offset[r]) : int(offset[r]) + blocks] = r
 
     def mask_mod(b, h, q_idx, kv_idx):
         kblk = kv_idx // SPARSE_BLOCK_SIZE

@@ -19,13 +19,26 @@ def _write_kv_page16(
     slot_ptr,  # [N] page-128 slots, negative = padding
     capacity,  # slots the cache holds: num_blocks * 128
     stride_s,  # slot_mapping stride (it may be a strided view)
-    stride_kn, stride_kh, stride_kd,
-    stride_vn, stride_vh, stride_vd,
-    stride_kcp, stride_kcr, stride_kch,  # k_cache strides (page, row, head); head dim contiguous
-    stride_vcp, stride_vcr, stride_vch,
-    ks_ptr, vs_ptr,  # FP8: [pages, 16, H] float32 scale views (QUANT only)
-    stride_ksp, stride_ksr, stride_ksh,
-    stride_vsp, stride_vsr, stride_vsh,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_kcp,
+    stride_kcr,
+    stride_kch,  # k_cache strides (page, row, head); head dim contiguous
+    stride_vcp,
+    stride_vcr,
+    stride_vch,
+    ks_ptr,
+    vs_ptr,  # FP8: [pages, 16, H] float32 scale views (QUANT only)
+    stride_ksp,
+    stride_ksr,
+    stride_ksh,
+    stride_vsp,
+    stride_vsr,
+    stride_vsh,
     QUANT: tl.constexpr,
     INTERPRETED: tl.constexpr,
     H: tl.constexpr,
@@ -80,13 +93,30 @@ def write_kv_page16_kernel(
     ks, vs = (k_scale, v_scale) if quant else (slot_mapping.view(1, 1, -1), slot_mapping.view(1, 1, -1))
     capacity = (k_cache.shape[0] // block_page_stride) * SPARSE_BLOCK_SIZE
     _write_kv_page16[(n,)](
-        key, value, k_cache, v_cache, slot_mapping, capacity, slot_mapping.stride(0),
-        *key.stride(), *value.stride(),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        ks, vs, *ks.stride(), *vs.stride(), QUANT=quant, INTERPRETED=backend.INTERPRETER,
-        H=h, D=d,
-        BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_PAGE_STRIDE=block_page_stride, SPARSE_BLOCK=SPARSE_BLOCK_SIZE, PAGE=PAGE_SIZE,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        capacity,
+        slot_mapping.stride(0),
+        *key.stride(),
+        *value.stride(),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        ks,
+        vs,
+        *ks.stride(),
+        *vs.stride(),
+        QUANT=quant,
+        INTERPRETED=backend.INTERPRETER,
+        H=h,
+        D=d,
+        BLOCK_H=triton.next_power_of_2(h),
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_PAGE_STRIDE=block_page_stride,
+        SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
+        PAGE=PAGE_SIZE,
     )
 
 

@@ -377,5 +377,3 @@ def slot_to_page(slot: int, block_page_stride: int) -> tuple[int, int] | None:
         return None
     block, off = divmod(slot, SPARSE_BLOCK_SIZE)
     return block * block_page_stride + off // PAGE_SIZE, off % PAGE_SIZE
-
-

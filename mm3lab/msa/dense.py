@@ -28,7 +28,16 @@ def _all_blocks(hkv: int, n: int, block_table: torch.Tensor) -> torch.Tensor:
 
 
 def dense_decode(
-    q, key, value, k_cache, v_cache, block_table, seq_lens, *, decode_query_len: int = 1, scale=None,
+    q,
+    key,
+    value,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    *,
+    decode_query_len: int = 1,
+    scale=None,
     return_intermediates: bool = False,
 ):
     """Dense causal attention for decode rows on the same inputs as :func:`msa_decode` (baseline).
@@ -66,7 +75,16 @@ def dense_decode(
 
 
 def dense_prefill(
-    q, key, value, k_cache, v_cache, block_table, query_req_id, query_abs_pos, *, scale=None,
+    q,
+    key,
+    value,
+    k_cache,
+    v_cache,
+    block_table,
+    query_req_id,
+    query_abs_pos,
+    *,
+    scale=None,
     return_intermediates: bool = False,
 ):
     """Dense causal attention for prefill rows on the same inputs as :func:`msa_prefill` (baseline)."""

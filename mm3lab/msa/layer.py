@@ -105,8 +105,23 @@ def _check_query(q, k_cache, v_cache, index_q=None, k_scale=None, v_scale=None) 
 
 
 def _prepare_inserts(
-    q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, *, scale=None, table_checked=False, slots=None,
-    index_scale=None, k_scale=None, v_scale=None,
+    q,
+    key,
+    value,
+    index_k,
+    k_cache,
+    v_cache,
+    index_cache,
+    block_table,
+    req,
+    pos,
+    *,
+    scale=None,
+    table_checked=False,
+    slots=None,
+    index_scale=None,
+    k_scale=None,
+    v_scale=None,
 ) -> torch.Tensor:
     """Slots of the new tokens, after checking every argument of the step (SPEC section 7).
 
@@ -127,7 +142,9 @@ def _prepare_inserts(
     check_no_alias(k_cache=k_cache, v_cache=v_cache, inputs=inputs)
     if index_cache is not None:
         check_no_alias(index_cache=index_cache, inputs=inputs)
-    scales = {k: v for k, v in (("index_scale", index_scale), ("k_scale", k_scale), ("v_scale", v_scale)) if v is not None}
+    scales = {
+        k: v for k, v in (("index_scale", index_scale), ("k_scale", k_scale), ("v_scale", v_scale)) if v is not None
+    }
     if scales:
         check_no_alias(**scales, inputs=inputs)
     if not table_checked:
@@ -186,9 +203,28 @@ KERNEL_STEPS = types.SimpleNamespace(
 """The steps :func:`msa_decode` / :func:`msa_prefill` join; :mod:`mm3lab.msa.reference` joins their twins."""
 
 
-def run_layer(steps, rows, q, key, value, index_q, index_k, k_cache, v_cache, index_cache, block_table, *,
-              topk, init_blocks, local_blocks, scale, return_intermediates,
-              index_scale=None, k_scale=None, v_scale=None):
+def run_layer(
+    steps,
+    rows,
+    q,
+    key,
+    value,
+    index_q,
+    index_k,
+    k_cache,
+    v_cache,
+    index_cache,
+    block_table,
+    *,
+    topk,
+    init_blocks,
+    local_blocks,
+    scale,
+    return_intermediates,
+    index_scale=None,
+    k_scale=None,
+    v_scale=None,
+):
     """The MSA layer with its steps taken from ``steps`` (:data:`KERNEL_STEPS` or the reference's).
 
     ``rows``: ``("decode", seq_lens, decode_query_len)`` or ``("prefill", query_req_id, query_abs_pos)``.
@@ -214,15 +250,37 @@ def run_layer(steps, rows, q, key, value, index_q, index_k, k_cache, v_cache, in
     req, pos, slots = steps.rows_and_slots(block_table, rows)
     with validation(False):
         slots = _prepare_inserts(
-            q, key, value, index_k, k_cache, v_cache, index_cache, block_table, req, pos, scale=scale,
-            table_checked=True, slots=slots, index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
+            q,
+            key,
+            value,
+            index_k,
+            k_cache,
+            v_cache,
+            index_cache,
+            block_table,
+            req,
+            pos,
+            scale=scale,
+            table_checked=True,
+            slots=slots,
+            index_scale=index_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         if index_cache is not None:
             steps.insert_index_cache(index_k, index_cache, slots, index_scale=index_scale)
         steps.write_kv_page16(key, value, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
         select = steps.index_topk_block_table_decode if decode else steps.index_topk_block_table_prefill
         topk_idx, sparse_bt, sparse_ctx = select(
-            index_q, index_cache, block_table, *row_args, topk, *extra, init_blocks, local_blocks, block_page_stride,
+            index_q,
+            index_cache,
+            block_table,
+            *row_args,
+            topk,
+            *extra,
+            init_blocks,
+            local_blocks,
+            block_page_stride,
             index_scale=index_scale,
         )
         out, lse = steps.sparse_attention(
@@ -282,9 +340,25 @@ def msa_decode(
         ``out [N, Hq, D]`` in q's dtype, or ``(out, MSAStep)``.
     """
     return run_layer(
-        KERNEL_STEPS, ("decode", seq_lens, decode_query_len), q, key, value, index_q, index_k, k_cache, v_cache,
-        index_cache, block_table, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks, scale=scale,
-        return_intermediates=return_intermediates, index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
+        KERNEL_STEPS,
+        ("decode", seq_lens, decode_query_len),
+        q,
+        key,
+        value,
+        index_q,
+        index_k,
+        k_cache,
+        v_cache,
+        index_cache,
+        block_table,
+        topk=topk,
+        init_blocks=init_blocks,
+        local_blocks=local_blocks,
+        scale=scale,
+        return_intermediates=return_intermediates,
+        index_scale=index_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -322,7 +396,23 @@ def msa_prefill(
         ``out [N, Hq, D]``, or ``(out, MSAStep)``.
     """
     return run_layer(
-        KERNEL_STEPS, ("prefill", query_req_id, query_abs_pos), q, key, value, index_q, index_k, k_cache, v_cache,
-        index_cache, block_table, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks, scale=scale,
-        return_intermediates=return_intermediates, index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
+        KERNEL_STEPS,
+        ("prefill", query_req_id, query_abs_pos),
+        q,
+        key,
+        value,
+        index_q,
+        index_k,
+        k_cache,
+        v_cache,
+        index_cache,
+        block_table,
+        topk=topk,
+        init_blocks=init_blocks,
+        local_blocks=local_blocks,
+        scale=scale,
+        return_intermediates=return_intermediates,
+        index_scale=index_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )

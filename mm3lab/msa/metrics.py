@@ -25,7 +25,7 @@ def attention_weights(
     """
     n, hq, d = q.shape
     _, seq, hkv, _ = key.shape
-    scale = d ** -0.5 if scale is None else float(scale)
+    scale = d**-0.5 if scale is None else float(scale)
     group = hq // hkv
     k = key[query_req_id.long().clamp(min=0)].float()  # [N, S, Hkv, D]
     k = k.repeat_interleave(group, dim=2)  # [N, S, Hq, D]

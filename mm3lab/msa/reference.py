@@ -28,8 +28,13 @@ def _steps():
         return req, pos, reference.token_slots(block_table, req, pos)
 
     names = (
-        "insert_index_cache", "write_kv_page16", "index_topk_block_table_decode", "index_topk_block_table_prefill",
-        "index_scores_decode", "index_scores_prefill", "sparse_attention",
+        "insert_index_cache",
+        "write_kv_page16",
+        "index_topk_block_table_decode",
+        "index_topk_block_table_prefill",
+        "index_scores_decode",
+        "index_scores_prefill",
+        "sparse_attention",
     )
     return types.SimpleNamespace(rows_and_slots=rows_and_slots, **{name: getattr(reference, name) for name in names})
 
@@ -58,9 +63,25 @@ def msa_decode(
 ):
     """:func:`mm3lab.msa_decode` from the reference steps (:mod:`mm3lab.reference`)."""
     return run_layer(
-        _steps(), ("decode", seq_lens, decode_query_len), q, key, value, index_q, index_k, k_cache, v_cache,
-        index_cache, block_table, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks, scale=scale,
-        return_intermediates=return_intermediates, index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
+        _steps(),
+        ("decode", seq_lens, decode_query_len),
+        q,
+        key,
+        value,
+        index_q,
+        index_k,
+        k_cache,
+        v_cache,
+        index_cache,
+        block_table,
+        topk=topk,
+        init_blocks=init_blocks,
+        local_blocks=local_blocks,
+        scale=scale,
+        return_intermediates=return_intermediates,
+        index_scale=index_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -88,7 +109,23 @@ def msa_prefill(
 ):
     """:func:`mm3lab.msa_prefill` from the reference steps (:mod:`mm3lab.reference`)."""
     return run_layer(
-        _steps(), ("prefill", query_req_id, query_abs_pos), q, key, value, index_q, index_k, k_cache, v_cache,
-        index_cache, block_table, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks, scale=scale,
-        return_intermediates=return_intermediates, index_scale=index_scale, k_scale=k_scale, v_scale=v_scale,
+        _steps(),
+        ("prefill", query_req_id, query_abs_pos),
+        q,
+        key,
+        value,
+        index_q,
+        index_k,
+        k_cache,
+        v_cache,
+        index_cache,
+        block_table,
+        topk=topk,
+        init_blocks=init_blocks,
+        local_blocks=local_blocks,
+        scale=scale,
+        return_intermediates=return_intermediates,
+        index_scale=index_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )

@@ -78,8 +78,10 @@ def _table(block_table_row) -> list[int]:
 
 def _check_fits(p: int, table: list[int], name: str = "p") -> None:
     if p >= len(table) * SPARSE_BLOCK_SIZE:
-        raise ValueError(f"{name}: position {p} needs block {p // SPARSE_BLOCK_SIZE}, but the block table row "
-                         f"has {len(table)} blocks ({len(table) * SPARSE_BLOCK_SIZE} tokens)")
+        raise ValueError(
+            f"{name}: position {p} needs block {p // SPARSE_BLOCK_SIZE}, but the block table row "
+            f"has {len(table)} blocks ({len(table) * SPARSE_BLOCK_SIZE} tokens)"
+        )
 
 
 def _rows_of(topk, count: int) -> list[list[int]]:
@@ -111,27 +113,46 @@ def plot_causal_tail(p: int) -> Figure:
     for t in range(SPARSE_BLOCK_SIZE):
         page, row = divmod(t, PAGE_SIZE)
         seen = t <= off
-        ax.add_patch(Rectangle((row, page), 1, 1, facecolor=TAIL_COLOR if seen else FUTURE_COLOR,
-                               edgecolor="white" if seen else "#bbbbbb", hatch=None if seen else "///",
-                               linewidth=0.6, gid="visible" if seen else "hidden"))
+        ax.add_patch(
+            Rectangle(
+                (row, page),
+                1,
+                1,
+                facecolor=TAIL_COLOR if seen else FUTURE_COLOR,
+                edgecolor="white" if seen else "#bbbbbb",
+                hatch=None if seen else "///",
+                linewidth=0.6,
+                gid="visible" if seen else "hidden",
+            )
+        )
     q_page, q_row = divmod(off, PAGE_SIZE)
     ax.add_patch(Rectangle((q_row, q_page), 1, 1, fill=False, edgecolor="black", linewidth=2.0, gid="query"))
     ax.text(q_row + 0.5, q_page + 0.5, "q", ha="center", va="center", fontsize=8, fontweight="bold")
     ax.set_xlim(0, PAGE_SIZE)
     ax.set_ylim(PAGES_PER_SPARSE_BLOCK, 0)
     ax.set_xticks(np.arange(PAGE_SIZE) + 0.5, [str(r) for r in range(PAGE_SIZE)], fontsize=7)
-    ax.set_yticks(np.arange(PAGES_PER_SPARSE_BLOCK) + 0.5,
-                  [f"page {j}: {sb * SPARSE_BLOCK_SIZE + j * PAGE_SIZE}.." for j in range(PAGES_PER_SPARSE_BLOCK)],
-                  fontsize=7)
+    ax.set_yticks(
+        np.arange(PAGES_PER_SPARSE_BLOCK) + 0.5,
+        [f"page {j}: {sb * SPARSE_BLOCK_SIZE + j * PAGE_SIZE}.." for j in range(PAGES_PER_SPARSE_BLOCK)],
+        fontsize=7,
+    )
     ax.set_xlabel("row within the page (token % 16)")
     ax.set_aspect("equal")
     full_pages, partial = divmod(off + 1, PAGE_SIZE)
     detail = f"{full_pages} whole pages" + (f" + {partial} tokens of page {full_pages}" if partial else "")
-    ax.set_title(f"p = {p}: self_blk = {sb}, p % 128 = {off}; the query sees {off + 1} of 128 tokens ({detail})",
-                 fontsize=9)
-    ax.legend(handles=[Patch(facecolor=TAIL_COLOR, label="visible (<= p)"),
-                       Patch(facecolor="white", hatch="///", edgecolor="#bbbbbb", label="after p (masked)")],
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+    ax.set_title(
+        f"p = {p}: self_blk = {sb}, p % 128 = {off}; the query sees {off + 1} of 128 tokens ({detail})", fontsize=9
+    )
+    ax.legend(
+        handles=[
+            Patch(facecolor=TAIL_COLOR, label="visible (<= p)"),
+            Patch(facecolor="white", hatch="///", edgecolor="#bbbbbb", label="after p (masked)"),
+        ],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=7,
+        frameon=False,
+    )
     return fig
 
 
@@ -154,13 +175,27 @@ def _draw_pages(ax, y: float, blk: list[int], table: list[int], p: int, stride: 
             color, gid = UNUSED_COLOR, "page-unused"
         ax.add_patch(Rectangle((i, y), 1, 0.8, facecolor=color, edgecolor="white", linewidth=0.8, gid=gid))
         if labels:
-            ax.text(i + 0.5, y + 0.4, str(page_id), ha="center", va="center", fontsize=8 if page_id < 100 else 7,
-                    color="black" if gid != "page-full" else "white")
+            ax.text(
+                i + 0.5,
+                y + 0.4,
+                str(page_id),
+                ha="center",
+                va="center",
+                fontsize=8 if page_id < 100 else 7,
+                color="black" if gid != "page-full" else "white",
+            )
     for slot, b in enumerate(plan.blocks):
         name = f"tail: block {b}" if b == plan.tail else f"block {b}"
         name = f"{name} -> phys {table[b]}" if labels else ("tail " if b == plan.tail else "") + str(b)
-        ax.text((slot + 0.5) * PAGES_PER_SPARSE_BLOCK, y - 0.12, name, ha="center", va="bottom", fontsize=7,
-                gid="block-label")
+        ax.text(
+            (slot + 0.5) * PAGES_PER_SPARSE_BLOCK,
+            y - 0.12,
+            name,
+            ha="center",
+            va="bottom",
+            fontsize=7,
+            gid="block-label",
+        )
     x = ctx / PAGE_SIZE  # ctx in pages: the attention kernel reads tokens [0, ctx) of this row
     ax.plot([x, x], [y, y + 0.95], color="black", linewidth=2, gid="ctx")  # below the block labels, not across
     return ctx
@@ -216,8 +251,9 @@ _TOKEN_LEGEND = [
 ]
 
 
-def plot_sparse_row(topk, block_table_row: Sequence[int] | None = None, p: int = 0,
-                    block_page_stride: int = PAGES_PER_SPARSE_BLOCK) -> Figure:
+def plot_sparse_row(
+    topk, block_table_row: Sequence[int] | None = None, p: int = 0, block_page_stride: int = PAGES_PER_SPARSE_BLOCK
+) -> Figure:
     """One sparse block table row: its ``K * 8`` page ids and the tokens it attends.
 
     Top: the row as the attention kernel sees it, one cell per page id, full blocks
@@ -246,18 +282,23 @@ def plot_sparse_row(topk, block_table_row: Sequence[int] | None = None, p: int =
     ax_row.set_yticks([])
     ax_row.set_xticks(range(0, width + 1, PAGES_PER_SPARSE_BLOCK))
     pages, rest = divmod(ctx, PAGE_SIZE)
-    ax_row.set_xlabel(f"entry of the sparse_bt row (width topk * 8 = {width}); black bar: ctx = {ctx} tokens "
-                      f"= {pages} whole pages" + (f" + {rest} tokens of the next" if rest else ""), fontsize=8)
+    ax_row.set_xlabel(
+        f"entry of the sparse_bt row (width topk * 8 = {width}); black bar: ctx = {ctx} tokens "
+        f"= {pages} whole pages" + (f" + {rest} tokens of the next" if rest else ""),
+        fontsize=8,
+    )
     where = "padded row" if plan.self_blk is None else f"self_blk = {plan.self_blk}"
-    ax_row.set_title(f"topk = {blk}, p = {p} ({where}), block_page_stride = {block_page_stride}: "
-                     f"ctx = {ctx}", fontsize=9)
+    ax_row.set_title(
+        f"topk = {blk}, p = {p} ({where}), block_page_stride = {block_page_stride}: ctx = {ctx}", fontsize=9
+    )
     span = max([max(p, 0) // SPARSE_BLOCK_SIZE + 1] + [b + 1 for b in blk if 0 <= b < len(table)])
     _draw_tokens(ax_tok, 0.0, blk, p, len(table), span)
     _token_axis(ax_tok, span)
     ax_tok.set_ylim(-0.1, 0.9)
     ax_tok.set_yticks([])
-    ax_tok.legend(handles=_TOKEN_LEGEND, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=5, fontsize=7,
-                  frameon=False)
+    ax_tok.legend(
+        handles=_TOKEN_LEGEND, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=5, fontsize=7, frameon=False
+    )
     return fig
 
 
@@ -266,8 +307,13 @@ def plot_sparse_row(topk, block_table_row: Sequence[int] | None = None, p: int =
 # ----------------------------------------------------------------------------
 
 
-def plot_spec_decode_rows(topk, block_table_row: Sequence[int] | None = None, seq_len: int = 129,
-                          decode_query_len: int = 3, block_page_stride: int = PAGES_PER_SPARSE_BLOCK) -> Figure:
+def plot_spec_decode_rows(
+    topk,
+    block_table_row: Sequence[int] | None = None,
+    seq_len: int = 129,
+    decode_query_len: int = 3,
+    block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+) -> Figure:
     """The ``decode_query_len`` rows of one request, side by side.
 
     Row ``i`` is at ``p = seq_len - dql + i``. Left: each row's page ids and ``ctx``
@@ -295,19 +341,25 @@ def plot_spec_decode_rows(topk, block_table_row: Sequence[int] | None = None, se
     live = [q for q in positions if q >= 0]
     hi_blk = max(live, default=0) // SPARSE_BLOCK_SIZE + 1
     ctxs = []
-    for i, (blk, q) in enumerate(zip(rows, positions)):
+    for i, (blk, q) in enumerate(zip(rows, positions, strict=False)):
         y = 1.3 * i
         ctxs.append(_draw_pages(ax_row, y + 0.3, blk, table, q, block_page_stride, labels=labels))
         _draw_tokens(ax_tok, y + 0.3, blk, q, len(table), hi_blk)
     ax_row.set_xlim(0, width)
     ax_row.set_ylim(1.3 * decode_query_len, -0.2)
-    ax_row.set_yticks([1.3 * i + 0.7 for i in range(decode_query_len)],
-                      [f"row {i}: p = {q}\nctx = {c}" for i, (q, c) in enumerate(zip(positions, ctxs))], fontsize=7)
+    ax_row.set_yticks(
+        [1.3 * i + 0.7 for i in range(decode_query_len)],
+        [f"row {i}: p = {q}\nctx = {c}" for i, (q, c) in enumerate(zip(positions, ctxs, strict=False))],
+        fontsize=7,
+    )
     ax_row.set_xticks(range(0, width + 1, PAGES_PER_SPARSE_BLOCK))
     ax_row.set_xlabel("sparse_bt entries; black bar: ctx", fontsize=8)
     shared = len(set(map(tuple, rows))) == 1
-    ax_row.set_title(f"seq_len = {seq_len}, decode_query_len = {decode_query_len}: "
-                     + (f"every row selects {rows[0]}" if shared else "one selection per row"), fontsize=9)
+    ax_row.set_title(
+        f"seq_len = {seq_len}, decode_query_len = {decode_query_len}: "
+        + (f"every row selects {rows[0]}" if shared else "one selection per row"),
+        fontsize=9,
+    )
     # Zoom on the rows' positions: one token is wide enough to see, block boundaries drawn.
     lo = max(min(live, default=0) - _ZOOM_MARGIN, 0)
     hi = max(live, default=0) + _ZOOM_MARGIN
@@ -336,8 +388,13 @@ def prefill_mask(topk, block_table_row: Sequence[int] | None, start: int, length
     return mask
 
 
-def plot_prefill_chunk(topk, block_table_row: Sequence[int] | None = None, start: int = 120, length: int = 16,
-                       block_page_stride: int = PAGES_PER_SPARSE_BLOCK) -> Figure:
+def plot_prefill_chunk(
+    topk,
+    block_table_row: Sequence[int] | None = None,
+    start: int = 120,
+    length: int = 16,
+    block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+) -> Figure:
     """Consecutive prefill tokens ``p = start .. start + length - 1``, one row each.
 
     Left: the tokens each row attends (its mask: full blocks whole, the tail up to
@@ -361,17 +418,28 @@ def plot_prefill_chunk(topk, block_table_row: Sequence[int] | None = None, start
     fig = Figure(figsize=(11.0, 1.6 + 0.16 * length), layout="constrained")
     ax_mask, ax_ctx = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3.0, 1.0]})
     cmap = ListedColormap([FUTURE_COLOR, SKIPPED_COLOR, _FULL_COLORS[0], TAIL_COLOR])
-    ax_mask.imshow(mask, cmap=cmap, vmin=0, vmax=3, aspect="auto", interpolation="nearest",
-                   extent=(0, mask.shape[1], start + length - 0.5, start - 0.5))
+    ax_mask.imshow(
+        mask,
+        cmap=cmap,
+        vmin=0,
+        vmax=3,
+        aspect="auto",
+        interpolation="nearest",
+        extent=(0, mask.shape[1], start + length - 0.5, start - 0.5),
+    )
     span = mask.shape[1] // SPARSE_BLOCK_SIZE
     _token_axis(ax_mask, span)
     ax_mask.set_ylabel("query position p", fontsize=8)
     shared = len(set(map(tuple, rows))) == 1
-    ax_mask.set_title(f"prefill chunk p = {start}..{start + length - 1}, "
-                      + (f"every row selects {rows[0]}" if shared else "one selection per row")
-                      + ": tokens attended", fontsize=9)
-    ax_mask.legend(handles=_TOKEN_LEGEND, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, fontsize=7,
-                   frameon=False)
+    ax_mask.set_title(
+        f"prefill chunk p = {start}..{start + length - 1}, "
+        + (f"every row selects {rows[0]}" if shared else "one selection per row")
+        + ": tokens attended",
+        fontsize=9,
+    )
+    ax_mask.legend(
+        handles=_TOKEN_LEGEND, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, fontsize=7, frameon=False
+    )
     ps = np.arange(start, start + length)
     ax_ctx.plot(ctxs, ps, marker="o", markersize=3, color="black", gid="ctx")
     ax_ctx.set_ylim(start + length - 0.5, start - 0.5)
@@ -409,9 +477,13 @@ def tail_first_reads(topk, p: int) -> dict:
 # ----------------------------------------------------------------------------
 
 
-def show_causal_tail(position: int = 300, topk="2 0 1 -1", decode_query_len: int = 1,
-                     block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
-                     block_table_row: Sequence[int] | None = None) -> Figure:
+def show_causal_tail(
+    position: int = 300,
+    topk="2 0 1 -1",
+    decode_query_len: int = 1,
+    block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+    block_table_row: Sequence[int] | None = None,
+) -> Figure:
     """Print the rows' text explanation and return their picture (the causal-tail widget's callback).
 
     ``position`` is the last query's ``p`` (so ``seq_len = position + 1``); with

@@ -57,7 +57,7 @@ def plot_quality(table: Sequence[QualityRow]) -> Figure:
     colors = [f"C{i}" for i in range(len(contexts))]
     for col, pattern in enumerate(patterns):
         top, bottom = axes[0, col], axes[1, col]
-        for color, context in zip(colors, contexts):
+        for color, context in zip(colors, contexts, strict=False):
             rows = sorted((r for r in table if r.pattern == pattern and r.context == context), key=lambda r: r.topk)
             ks = [r.topk for r in rows]
             label = f"{context // 1024}K"
@@ -96,21 +96,33 @@ def differing_text(cmp: FP8Comparison, topk: int | None = None) -> str:
     rec = set_recall(cmp.topk_idx["fp8"][..., :topk], cmp.topk_idx["bf16"][..., :topk]).mean(-1)
     for h in range(codes.shape[0]):
         c = codes[h]
-        lines.append(f"{h:4d}  {int((c == 1).sum()):4d}  {int((c == 2).sum()):9d}  {int((c == 3).sum()):8d}"
-                     f"  {float(rec[h]):6.3f}")
+        lines.append(
+            f"{h:4d}  {int((c == 1).sum()):4d}  {int((c == 2).sum()):9d}  {int((c == 3).sum()):8d}"
+            f"  {float(rec[h]):6.3f}"
+        )
     return "\n".join(lines)
 
 
 def _draw_differing(ax, cmp: FP8Comparison, topk: int, head: int) -> None:
     codes = cmp.differing(topk)[head].numpy()
-    ax.imshow(codes, aspect="auto", interpolation="nearest", cmap=ListedColormap(DIFFER_COLORS), vmin=-0.5,
-              vmax=3.5, gid="differ")
+    ax.imshow(
+        codes,
+        aspect="auto",
+        interpolation="nearest",
+        cmap=ListedColormap(DIFFER_COLORS),
+        vmin=-0.5,
+        vmax=3.5,
+        gid="differ",
+    )
     ax.set_xlabel("logical block")
     ax.set_ylabel("query row")
     n_diff = int((codes >= 2).sum())
     ax.set_title(f"{cmp.pattern} {cmp.context // 1024}K, top-{topk}, head {head}: {n_diff} differ")
-    ax.legend(handles=[Patch(color=c, label=lbl) for c, lbl in zip(DIFFER_COLORS[1:], DIFFER_LABELS[1:])],
-              loc="lower left", fontsize=7)
+    ax.legend(
+        handles=[Patch(color=c, label=lbl) for c, lbl in zip(DIFFER_COLORS[1:], DIFFER_LABELS[1:], strict=False)],
+        loc="lower left",
+        fontsize=7,
+    )
 
 
 def plot_differing_blocks(cmp: FP8Comparison, topk: int | None = None, head: int = 0) -> Figure:
@@ -127,8 +139,9 @@ def cached_compare(pattern: str, context: int, rows: int = WIDGET_ROWS, seed: in
     return compare(pattern, int(context), 16, rows, seed)
 
 
-def show_fp8_selection(pattern: str = "needle", context: int = 16384, topk: int = 16, dtype: str = "fp8",
-                       head: int = 0) -> Figure:
+def show_fp8_selection(
+    pattern: str = "needle", context: int = 16384, topk: int = 16, dtype: str = "fp8", head: int = 0
+) -> Figure:
     """Print recall and mass captured of one (pattern, context, top-k); draw ``dtype``'s selection and the
     blocks where bf16 and FP8 differ. The plain-function twin of :func:`mm3lab.widgets.fp8.fp8_widget`."""
     if dtype not in KEY_DTYPES:
@@ -142,8 +155,15 @@ def show_fp8_selection(pattern: str = "needle", context: int = 16384, topk: int 
     fig = Figure(figsize=(11.0, 4.0), layout="constrained")
     left, right = fig.subplots(1, 2)
     mask = cmp.selection(dtype, topk).selected_mask()[head].numpy().astype(float)
-    left.imshow(mask, aspect="auto", interpolation="nearest", cmap=ListedColormap(["#f4f4f4", "#d62728"]),
-                vmin=0, vmax=1, gid="selected")
+    left.imshow(
+        mask,
+        aspect="auto",
+        interpolation="nearest",
+        cmap=ListedColormap(["#f4f4f4", "#d62728"]),
+        vmin=0,
+        vmax=1,
+        gid="selected",
+    )
     left.set_title(f"{dtype} index keys: top-{topk} blocks, head {head}")
     left.set_xlabel("logical block")
     left.set_ylabel("query row")

@@ -38,13 +38,17 @@ def slot_table_text(block_table: torch.Tensor, query_req_id: torch.Tensor, query
     slots = token_slots(block_table, query_req_id, query_abs_pos).tolist()
     lines = ["row  request  position  logical block  offset  physical block  slot"]
     table = block_table.tolist()
-    for n, (r, p, s) in enumerate(zip(query_req_id.tolist(), query_abs_pos.tolist(), slots)):
+    for n, (r, p, s) in enumerate(zip(query_req_id.tolist(), query_abs_pos.tolist(), slots, strict=False)):
         if p < 0:
-            lines.append(f"{n:3d}  {r:7d}  {p:8d}  {'-':>13s}  {'-':>6s}  {'-':>14s}  {s:4d}  (padding: nothing written)")
+            lines.append(
+                f"{n:3d}  {r:7d}  {p:8d}  {'-':>13s}  {'-':>6s}  {'-':>14s}  {s:4d}  (padding: nothing written)"
+            )
             continue
         b, off = divmod(p, SPARSE_BLOCK_SIZE)
-        lines.append(f"{n:3d}  {r:7d}  {p:8d}  {b:13d}  {off:6d}  {table[r][b]:14d}  {s:4d}"
-                     f"  = {table[r][b]} * {SPARSE_BLOCK_SIZE} + {off}")
+        lines.append(
+            f"{n:3d}  {r:7d}  {p:8d}  {b:13d}  {off:6d}  {table[r][b]:14d}  {s:4d}"
+            f"  = {table[r][b]} * {SPARSE_BLOCK_SIZE} + {off}"
+        )
     return "\n".join(lines)
 
 
@@ -57,14 +61,18 @@ def shared_table_text(block_table_row: Sequence[int], seq_len: int, layout: str 
     """
     stride = layout_block_page_stride(layout)
     blocks = -(-int(seq_len) // SPARSE_BLOCK_SIZE)
-    lines = [f"{seq_len} tokens, {layout} KV layout (block_page_stride {stride})",
-             "logical  physical  tokens     index cache slots  KV page ids"]
+    lines = [
+        f"{seq_len} tokens, {layout} KV layout (block_page_stride {stride})",
+        "logical  physical  tokens     index cache slots  KV page ids",
+    ]
     for b in range(blocks):
         phys = int(block_table_row[b])
         first, last = b * SPARSE_BLOCK_SIZE, min((b + 1) * SPARSE_BLOCK_SIZE, seq_len) - 1
         pages = page_ids_of_block(phys, stride)
-        lines.append(f"{b:7d}  {phys:8d}  {first:4d}-{last:<4d}  {phys * SPARSE_BLOCK_SIZE:6d}-"
-                     f"{phys * SPARSE_BLOCK_SIZE + SPARSE_BLOCK_SIZE - 1:<6d}      {pages[0]}..{pages[-1]}")
+        lines.append(
+            f"{b:7d}  {phys:8d}  {first:4d}-{last:<4d}  {phys * SPARSE_BLOCK_SIZE:6d}-"
+            f"{phys * SPARSE_BLOCK_SIZE + SPARSE_BLOCK_SIZE - 1:<6d}      {pages[0]}..{pages[-1]}"
+        )
     return "\n".join(lines)
 
 
@@ -84,8 +92,15 @@ def occupancy(index_cache: torch.Tensor, block_table: torch.Tensor | None = None
 
 def _draw_occupancy(ax, occ: np.ndarray, num_requests: int, title: str, labels: Sequence[str] | None = None):
     colors = ["#7f7f7f", "white"] + [_REQUEST_COLORS[r % len(_REQUEST_COLORS)] for r in range(num_requests)]
-    image = ax.imshow(occ + 2, cmap=ListedColormap(colors), vmin=0, vmax=len(colors) - 1, aspect="auto",
-                      interpolation="nearest", extent=(-0.5, SPARSE_BLOCK_SIZE - 0.5, occ.shape[0] - 0.5, -0.5))
+    image = ax.imshow(
+        occ + 2,
+        cmap=ListedColormap(colors),
+        vmin=0,
+        vmax=len(colors) - 1,
+        aspect="auto",
+        interpolation="nearest",
+        extent=(-0.5, SPARSE_BLOCK_SIZE - 0.5, occ.shape[0] - 0.5, -0.5),
+    )
     image.set_gid("occupancy")
     ax.set_yticks(range(occ.shape[0]), labels or [f"block {i}" for i in range(occ.shape[0])], fontsize=8)
     ax.set_xticks([0, 32, 64, 96, 127])
@@ -105,8 +120,9 @@ def _block_labels(block_table: torch.Tensor | None, num_blocks: int) -> list[str
     return labels
 
 
-def plot_index_cache(index_cache: torch.Tensor, block_table: torch.Tensor | None = None,
-                     title: str = "index cache") -> Figure:
+def plot_index_cache(
+    index_cache: torch.Tensor, block_table: torch.Tensor | None = None, title: str = "index cache"
+) -> Figure:
     """The index cache's slots, one row per physical block: coloured by owning request where written."""
     occ = occupancy(index_cache, block_table)
     nreq = 0 if block_table is None else block_table.shape[0]
@@ -136,9 +152,16 @@ class FillStep:
     index_cache: torch.Tensor
 
 
-def simulate_fill(block_table: torch.Tensor, prefill_lens: Sequence[int], decode_steps: int = 3, *,
-                  index_dim: int = 8, num_blocks: int | None = None, padding_rows: int = 1,
-                  seed: int = 0) -> list[FillStep]:
+def simulate_fill(
+    block_table: torch.Tensor,
+    prefill_lens: Sequence[int],
+    decode_steps: int = 3,
+    *,
+    index_dim: int = 8,
+    num_blocks: int | None = None,
+    padding_rows: int = 1,
+    seed: int = 0,
+) -> list[FillStep]:
     """Fill an index cache the way a server does: one prefill of every request (plus
     ``padding_rows`` padded rows, slot ``-1``), then ``decode_steps`` steps of one token each.
 
@@ -196,11 +219,20 @@ def plot_fill_steps(steps: Sequence[FillStep], block_table: torch.Tensor) -> Fig
     axes = fig.subplots(1, len(steps), squeeze=False, sharey=True)[0]
     nreq = block_table.shape[0]
     labels = _block_labels(block_table, steps[0].index_cache.shape[0])
-    for ax, st in zip(axes, steps):
+    for ax, st in zip(axes, steps, strict=False):
         _draw_occupancy(ax, occupancy(st.index_cache, block_table), nreq, st.name, labels)
         for blk, start, stop in _runs(st.slot_mapping.tolist()):
-            ax.add_patch(Rectangle((start - 0.5, blk - 0.45), stop - start, 0.9, fill=False, edgecolor="black",
-                                   linewidth=1.4, gid="new"))
+            ax.add_patch(
+                Rectangle(
+                    (start - 0.5, blk - 0.45),
+                    stop - start,
+                    0.9,
+                    fill=False,
+                    edgecolor="black",
+                    linewidth=1.4,
+                    gid="new",
+                )
+            )
     return fig
 
 
@@ -216,8 +248,9 @@ def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def plot_bytes_per_token(num_kv_heads: int | None = None, head_dim: int | None = None,
-                         index_dim: int | None = None, dtype_bytes: int = 2) -> Figure:
+def plot_bytes_per_token(
+    num_kv_heads: int | None = None, head_dim: int | None = None, index_dim: int | None = None, dtype_bytes: int = 2
+) -> Figure:
     """Stacked bar per token: K and V bytes of every KV head against the one shared index key."""
     from ..constants import HEAD_DIM, INDEX_HEAD_DIM, NUM_KV_HEADS
 
@@ -243,9 +276,15 @@ DEMO_BLOCK_TABLE = ((3, 0, 5), (1, 4, 2))
 """The notebook's block table: request 0 -> physical blocks 3, 0, 5; request 1 -> 1, 4, 2."""
 
 
-def show_index_fill(prefill_len: int = 200, decode_steps: int = 3, request: int = 0,
-                    block_table=DEMO_BLOCK_TABLE, other_prefill_len: int = 70, index_dim: int = 8,
-                    num_blocks: int = 7) -> Figure:
+def show_index_fill(
+    prefill_len: int = 200,
+    decode_steps: int = 3,
+    request: int = 0,
+    block_table=DEMO_BLOCK_TABLE,
+    other_prefill_len: int = 70,
+    index_dim: int = 8,
+    num_blocks: int = 7,
+) -> Figure:
     """Print one request's slots through a prefill and decode steps; return the cache after the last step.
 
     ``request`` prefills ``prefill_len`` tokens, the other request ``other_prefill_len``
@@ -256,23 +295,30 @@ def show_index_fill(prefill_len: int = 200, decode_steps: int = 3, request: int 
     if not 0 <= request < bt.shape[0]:
         raise ValueError(f"request: expected 0 <= request < {bt.shape[0]}, got {request}")
     if prefill_len < 0 or decode_steps < 0 or prefill_len + decode_steps > capacity:
-        raise ValueError(f"prefill_len + decode_steps: expected at most {capacity} (the request's blocks), "
-                         f"got {prefill_len} + {decode_steps}")
+        raise ValueError(
+            f"prefill_len + decode_steps: expected at most {capacity} (the request's blocks), "
+            f"got {prefill_len} + {decode_steps}"
+        )
     lens = [other_prefill_len] * bt.shape[0]
     lens[request] = int(prefill_len)
     steps = simulate_fill(bt, lens, int(decode_steps), index_dim=index_dim, num_blocks=num_blocks)
     seq_len = prefill_len + decode_steps
     print(f"request {request}: prefill {prefill_len} tokens, then {decode_steps} decode steps -> {seq_len} tokens")
     for st in steps:
-        mine = [s for r, s in zip(st.query_req_id.tolist(), st.slot_mapping.tolist()) if r == request and s >= 0]
+        pairs = zip(st.query_req_id.tolist(), st.slot_mapping.tolist(), strict=False)
+        mine = [s for r, s in pairs if r == request and s >= 0]
         if mine:
-            runs = ", ".join(f"{b * SPARSE_BLOCK_SIZE + lo}-{b * SPARSE_BLOCK_SIZE + hi - 1} (block {b})"
-                             for b, lo, hi in sorted(_runs(mine), key=lambda r: mine.index(r[0] * SPARSE_BLOCK_SIZE + r[1])))
+            runs = ", ".join(
+                f"{b * SPARSE_BLOCK_SIZE + lo}-{b * SPARSE_BLOCK_SIZE + hi - 1} (block {b})"
+                for b, lo, hi in sorted(_runs(mine), key=lambda r: mine.index(r[0] * SPARSE_BLOCK_SIZE + r[1]))
+            )
             print(f"  {st.name:<9} {len(mine):4d} slot(s): {runs}")
     print(shared_table_text(bt[request].tolist(), max(seq_len, 1), "dense"))
-    return plot_index_cache(steps[-1].index_cache, bt,
-                            title=f"after the prefill and {decode_steps} decode step(s); request {request} "
-                                  f"prefilled {prefill_len}")
+    return plot_index_cache(
+        steps[-1].index_cache,
+        bt,
+        title=f"after the prefill and {decode_steps} decode step(s); request {request} prefilled {prefill_len}",
+    )
 
 
 __all__ = [

@@ -80,7 +80,11 @@ class PageRow:
 
 
 def page_table(
-    layout: str, num_blocks: int, block: int, num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM,
+    layout: str,
+    num_blocks: int,
+    block: int,
+    num_kv_heads: int = NUM_KV_HEADS,
+    head_dim: int = HEAD_DIM,
     dtype_bytes: int = 2,
 ) -> list[PageRow]:
     """The 8 rows ``j = 0..7`` of block ``block``: page id ``block * stride + j`` and its K/V locations."""
@@ -102,14 +106,25 @@ TABLE_COLUMNS = ("j", "tokens", "page id", "K storage page", "K byte offset", "V
 
 def _table_cells(rows: list[PageRow]) -> list[list[str]]:
     return [
-        [str(r.j), f"{r.first_token}-{r.first_token + PAGE_SIZE - 1}", str(r.page_id), str(r.k_storage_page),
-         str(r.k_byte_offset), str(r.v_storage_page), str(r.v_byte_offset)]
+        [
+            str(r.j),
+            f"{r.first_token}-{r.first_token + PAGE_SIZE - 1}",
+            str(r.page_id),
+            str(r.k_storage_page),
+            str(r.k_byte_offset),
+            str(r.v_storage_page),
+            str(r.v_byte_offset),
+        ]
         for r in rows
     ]
 
 
 def page_table_text(
-    layout: str, num_blocks: int, block: int, num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM,
+    layout: str,
+    num_blocks: int,
+    block: int,
+    num_kv_heads: int = NUM_KV_HEADS,
+    head_dim: int = HEAD_DIM,
     dtype_bytes: int = 2,
 ) -> str:
     """The page-id table of one block as aligned text (what the notebook prints)."""
@@ -127,13 +142,18 @@ def page_table_text(
     )
     cells = [list(TABLE_COLUMNS)] + _table_cells(rows)
     widths = [max(len(row[c]) for row in cells) for c in range(len(TABLE_COLUMNS))]
-    lines = [head] + ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in cells]
+    lines = [head] + ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=False)) for row in cells]
     return "\n".join(lines)
 
 
 def plot_page_id_table(
-    layout: str, num_blocks: int, block: int, num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM,
-    dtype_bytes: int = 2, ax=None,
+    layout: str,
+    num_blocks: int,
+    block: int,
+    num_kv_heads: int = NUM_KV_HEADS,
+    head_dim: int = HEAD_DIM,
+    dtype_bytes: int = 2,
+    ax=None,
 ) -> Figure:
     """The page-id table of one block drawn as a matplotlib table."""
     rows = page_table(layout, num_blocks, block, num_kv_heads, head_dim, dtype_bytes)
@@ -177,8 +197,15 @@ def _storage_owner(layout: str, num_blocks: int, storage_page: int) -> tuple[int
 
 def _page_cell(ax, x, y, block, side, *, w=1.0, h=1.0, alpha=1.0, gid=None, edge="white", lw=0.8):
     rect = Rectangle(
-        (x, y), w, h, facecolor=_block_color(block, side), edgecolor=edge, linewidth=lw, alpha=alpha,
-        hatch="//" if side == 1 else None, gid=gid,
+        (x, y),
+        w,
+        h,
+        facecolor=_block_color(block, side),
+        edgecolor=edge,
+        linewidth=lw,
+        alpha=alpha,
+        hatch="//" if side == 1 else None,
+        gid=gid,
     )
     ax.add_patch(rect)
     return rect
@@ -190,8 +217,13 @@ def _side_legend(ax, **kw):
 
 
 def plot_memory_map(
-    layout: str, num_blocks: int, block: int = 0, num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM,
-    dtype_bytes: int = 2, ax=None,
+    layout: str,
+    num_blocks: int,
+    block: int = 0,
+    num_kv_heads: int = NUM_KV_HEADS,
+    head_dim: int = HEAD_DIM,
+    dtype_bytes: int = 2,
+    ax=None,
 ) -> Figure:
     """The cache's memory in order, 16 page-16 pages per row.
 
@@ -213,8 +245,9 @@ def plot_memory_map(
         label = f"b{b}\n{SIDE_NAMES[side]}{j}"
         if chosen:
             label = f"{SIDE_NAMES[side]}{j}\nid {b * stride + j}"
-        ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=7,
-                fontweight="bold" if chosen else "normal")
+        ax.text(
+            x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=7, fontweight="bold" if chosen else "normal"
+        )
     for s in range(num_blocks * PAGES_PER_ROW):  # outlines last, so they sit on top of neighbours
         b, side, _ = _storage_owner(layout, num_blocks, s)
         if b == block:
@@ -224,9 +257,14 @@ def plot_memory_map(
     ax.set_ylim(num_blocks, 0)
     ax.set_xticks([i + 0.5 for i in range(PAGES_PER_ROW)], [str(i) for i in range(PAGES_PER_ROW)], fontsize=7)
     ax.set_xlabel("storage page within the row")
-    ax.set_yticks([r + 0.5 for r in range(num_blocks)],
-                  [f"pages {r * PAGES_PER_ROW}-{r * PAGES_PER_ROW + PAGES_PER_ROW - 1}\n@ {_kib(r * PAGES_PER_ROW * nbytes)}"
-                   for r in range(num_blocks)], fontsize=7)
+    ax.set_yticks(
+        [r + 0.5 for r in range(num_blocks)],
+        [
+            f"pages {r * PAGES_PER_ROW}-{r * PAGES_PER_ROW + PAGES_PER_ROW - 1}\n@ {_kib(r * PAGES_PER_ROW * nbytes)}"
+            for r in range(num_blocks)
+        ],
+        fontsize=7,
+    )
     order = "dense planes: all K, then all V" if layout == "dense" else "packed sides: each block's K then its V"
     ax.set_title(f"{layout} layout ({order}); block {block} outlined, ids = page id (stride {stride})")
     _side_legend(ax, loc="upper right", bbox_to_anchor=(1.0, -0.03), ncol=2, fontsize=8, frameon=False)
@@ -261,8 +299,10 @@ def plot_kv_views(layout: str, num_blocks: int, block: int = 0, ax=None) -> Figu
     for s in range(total):
         b, side, _ = _storage_owner(layout, num_blocks, s)
         _page_cell(ax, s, y_mem, b, side, lw=0.3)
-    views = (("k", y_k, 0, total if layout == "packed" else total // 2),
-             ("v", y_v, offset, total - offset if layout == "packed" else total // 2))
+    views = (
+        ("k", y_k, 0, total if layout == "packed" else total // 2),
+        ("v", y_v, offset, total - offset if layout == "packed" else total // 2),
+    )
     for name, y, start, count in views:
         ax.add_patch(Rectangle((start, y), count, 0.8, facecolor="0.93", edgecolor="0.5", linewidth=0.8))
         for i in range(count):
@@ -271,21 +311,41 @@ def plot_kv_views(layout: str, num_blocks: int, block: int = 0, ax=None) -> Figu
         for pid in ids:
             loc = locate_page(pid, name, layout, num_blocks)
             x = loc.storage_page
-            ax.add_patch(Rectangle((x, y), 1, 0.8, facecolor=_block_color(loc.block, loc.side), edgecolor=_HIGHLIGHT,
-                                   linewidth=1.2, gid=f"selected-{name}"))
+            ax.add_patch(
+                Rectangle(
+                    (x, y),
+                    1,
+                    0.8,
+                    facecolor=_block_color(loc.block, loc.side),
+                    edgecolor=_HIGHLIGHT,
+                    linewidth=1.2,
+                    gid=f"selected-{name}",
+                )
+            )
             ax.add_patch(Rectangle((x, y_mem), 1, 1, fill=False, edgecolor=_HIGHLIGHT, linewidth=1.6, gid="reached"))
-            ax.annotate("", xy=(x + 0.5, y_mem + 1.0), xytext=(x + 0.5, y),
-                        arrowprops={"arrowstyle": "->", "lw": 0.6, "color": "0.3"})
+            ax.annotate(
+                "",
+                xy=(x + 0.5, y_mem + 1.0),
+                xytext=(x + 0.5, y),
+                arrowprops={"arrowstyle": "->", "lw": 0.6, "color": "0.3"},
+            )
         ax.text(-0.5, y + 0.4, f"{name}_cache[i]\n(starts at page {start})", ha="right", va="center", fontsize=8)
     ax.text(-0.5, y_mem + 0.5, "memory", ha="right", va="center", fontsize=8)
-    ax.text(ids[0] + (offset if layout == "dense" else 0), y_v + 1.25,
-            f"ids {ids[0]}-{ids[-1]} of block {block}", fontsize=8, ha="left")
+    ax.text(
+        ids[0] + (offset if layout == "dense" else 0),
+        y_v + 1.25,
+        f"ids {ids[0]}-{ids[-1]} of block {block}",
+        fontsize=8,
+        ha="left",
+    )
     ax.set_xlim(-0.5, total + 0.5)
     ax.set_ylim(y_v + 1.5, -0.3)
     ax.set_yticks([])
     ax.set_xlabel("storage page")
-    why = (f"v_cache starts {offset} pages in: one id reaches K through k_cache and the V "
-           f"{offset} pages later through v_cache")
+    why = (
+        f"v_cache starts {offset} pages in: one id reaches K through k_cache and the V "
+        f"{offset} pages later through v_cache"
+    )
     ax.set_title(f"{layout}: k_cache and v_cache over the same memory\n{why}", fontsize=10)
     _side_legend(ax, loc="upper right", bbox_to_anchor=(1.0, -0.08), ncol=2, fontsize=8, frameon=False)
     return fig
@@ -350,24 +410,47 @@ def plot_rebase(block_table=(2, 0, 3), num_blocks: int = 4) -> Figure:
     total = num_blocks * PAGES_PER_ROW
     fig = Figure(figsize=(12, 5.2), layout="constrained")
     axes = fig.subplots(2, 1)
-    for ax, rebased in zip(axes, (False, True)):
+    for ax, rebased in zip(axes, (False, True), strict=False):
         for s in range(total):
             b, side, _ = _storage_owner("packed", num_blocks, s)
             _page_cell(ax, s, 0, b, side, lw=0.3)
             if s % PAGES_PER_SPARSE_BLOCK == 0:
-                ax.text(s + PAGES_PER_SPARSE_BLOCK / 2, 0.5, f"b{b} {SIDE_NAMES[side]}", ha="center", va="center",
-                        fontsize=8)
+                ax.text(
+                    s + PAGES_PER_SPARSE_BLOCK / 2,
+                    0.5,
+                    f"b{b} {SIDE_NAMES[side]}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                )
         reads = rebase_reads(block_table, num_blocks, rebased)
         for r in reads:
-            for name, (blk, side), y in (("K", r.k_reached, -1.1 - 0.9 * r.entry), ("V", r.v_reached, 1.3 + 0.9 * r.entry)):
+            for name, (blk, side), y in (
+                ("K", r.k_reached, -1.1 - 0.9 * r.entry),
+                ("V", r.v_reached, 1.3 + 0.9 * r.entry),
+            ):
                 x = r.first_id + (PAGES_PER_SPARSE_BLOCK if name == "V" else 0)
                 ok = (blk, side) == (r.physical_block, 0 if name == "K" else 1)
-                ax.add_patch(Rectangle((x, y), PAGES_PER_SPARSE_BLOCK, 0.7, facecolor=_OK if ok else _WRONG,
-                                       alpha=0.8, gid="read-ok" if ok else "read-wrong"))
+                ax.add_patch(
+                    Rectangle(
+                        (x, y),
+                        PAGES_PER_SPARSE_BLOCK,
+                        0.7,
+                        facecolor=_OK if ok else _WRONG,
+                        alpha=0.8,
+                        gid="read-ok" if ok else "read-wrong",
+                    )
+                )
                 view = "k_cache" if name == "K" else "v_cache"
-                ax.text(x + PAGES_PER_SPARSE_BLOCK / 2, y + 0.35,
-                        f"e{r.entry}: {view}[{r.first_id}-{r.first_id + PAGES_PER_SPARSE_BLOCK - 1}]",
-                        ha="center", va="center", fontsize=7, color="white")
+                ax.text(
+                    x + PAGES_PER_SPARSE_BLOCK / 2,
+                    y + 0.35,
+                    f"e{r.entry}: {view}[{r.first_id}-{r.first_id + PAGES_PER_SPARSE_BLOCK - 1}]",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white",
+                )
         n = len(reads)
         ax.set_xlim(0, total)
         ax.set_ylim(1.3 + 0.9 * n + 0.1, -1.1 - 0.9 * (n - 1) - 0.1)
@@ -377,10 +460,14 @@ def plot_rebase(block_table=(2, 0, 3), num_blocks: int = 4) -> Figure:
         if rebased:
             ax.set_title(f"with the rebase: the kernel sees 2*b = {values}, emits 16*b + j: every read is its block's")
         else:
-            ax.set_title(f"without the rebase: the kernel sees b = {values}, emits 8*b + j: "
-                         "packed memory has 16 pages per block, so it lands in the wrong block or side")
-    axes[1].set_xlabel("storage page (= k_cache index) of the packed cache; e<n> = block_table entry n; "
-                       "K reads above the memory, V reads below")
+            ax.set_title(
+                f"without the rebase: the kernel sees b = {values}, emits 8*b + j: "
+                "packed memory has 16 pages per block, so it lands in the wrong block or side"
+            )
+    axes[1].set_xlabel(
+        "storage page (= k_cache index) of the packed cache; e<n> = block_table entry n; "
+        "K reads above the memory, V reads below"
+    )
     return fig
 
 
@@ -390,7 +477,11 @@ def plot_rebase(block_table=(2, 0, 3), num_blocks: int = 4) -> Figure:
 
 
 def plot_layout(
-    layout: str, num_blocks: int = 4, block: int = 0, num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM,
+    layout: str,
+    num_blocks: int = 4,
+    block: int = 0,
+    num_kv_heads: int = NUM_KV_HEADS,
+    head_dim: int = HEAD_DIM,
     dtype_bytes: int = 2,
 ) -> Figure:
     """Memory map (top) and page-id table (bottom) of one block, in one figure."""
@@ -402,7 +493,9 @@ def plot_layout(
     return fig
 
 
-def show_layout(layout: str = "packed", block: int = 0, num_kv_heads: int = NUM_KV_HEADS, num_blocks: int = 4) -> Figure:
+def show_layout(
+    layout: str = "packed", block: int = 0, num_kv_heads: int = NUM_KV_HEADS, num_blocks: int = 4
+) -> Figure:
     """Print the page-id table of ``block`` and return :func:`plot_layout`'s figure (the widget's callback)."""
     print(page_table_text(layout, num_blocks, block, num_kv_heads))
     return plot_layout(layout, num_blocks, block, num_kv_heads)

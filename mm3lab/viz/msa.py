@@ -35,7 +35,13 @@ UNUSED_COLOR = "#f2f2f2"
 DENSE_COLOR = "#d62728"
 SPARSE_COLOR = "#1f77b4"
 _BLOCK_COLORS = tuple(c for i, c in enumerate(mcolors.TABLEAU_COLORS.values()) if i != 1) + (
-    "#aec7e8", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5",
+    "#aec7e8",
+    "#98df8a",
+    "#c5b0d5",
+    "#c49c94",
+    "#f7b6d2",
+    "#dbdb8d",
+    "#9edae5",
 )  # orange is kept for the query's own block
 
 
@@ -91,14 +97,25 @@ def plot_block_scores(step, row: int = 0, title: str | None = None) -> Figure:
         ax.set_xlim(-0.6, m - 0.4)
         ax.set_ylabel(f"head {h}\nscore")
         ax.axvline(self_blk + 0.5, color="black", lw=0.8, ls=":")
-    axes[-1].set_xlabel(f"logical block (128 tokens each; blocks after the query's block {self_blk} are not candidates)")
-    fig.legend(
-        handles=[Patch(color=FORCED_COLOR, label="forced local block"), Patch(color=SELECTED_COLOR, label="selected"),
-                 Patch(color=OTHER_COLOR, label="not selected")],
-        loc="outside upper right", ncols=3, fontsize=8,
+    axes[-1].set_xlabel(
+        f"logical block (128 tokens each; blocks after the query's block {self_blk} are not candidates)"
     )
-    fig.suptitle(title or f"indexer block scores, row {row} (p = {p}), top-{len(topk[0])} numbered by rank",
-                 fontsize=10, x=0.01, ha="left")
+    fig.legend(
+        handles=[
+            Patch(color=FORCED_COLOR, label="forced local block"),
+            Patch(color=SELECTED_COLOR, label="selected"),
+            Patch(color=OTHER_COLOR, label="not selected"),
+        ],
+        loc="outside upper right",
+        ncols=3,
+        fontsize=8,
+    )
+    fig.suptitle(
+        title or f"indexer block scores, row {row} (p = {p}), top-{len(topk[0])} numbered by rank",
+        fontsize=10,
+        x=0.01,
+        ha="left",
+    )
     return fig
 
 
@@ -144,8 +161,11 @@ def plot_sparse_table(step, block_table, block_page_stride: int, row: int = 0) -
     ax.set_ylim(0, hkv)
     ax.set_yticks([hkv - 0.5 - h for h in range(hkv)], [f"head {h}" for h in range(hkv)])
     ax.set_xlabel(f"entry of sparse_bt (one page id = {PAGE_SIZE} tokens; {PAGES_PER_SPARSE_BLOCK} per block)")
-    ax.set_title(f"sparse block table, row {row}: blocks labelled by logical id, the query's block (orange) last",
-                 fontsize=10, loc="left")
+    ax.set_title(
+        f"sparse block table, row {row}: blocks labelled by logical id, the query's block (orange) last",
+        fontsize=10,
+        loc="left",
+    )
     return fig
 
 
@@ -173,11 +193,17 @@ def plot_attention_mass(demo, row: int = 0, heads=None) -> Figure:
     p = int(step.query_abs_pos[row])
     fig = Figure(figsize=(10, 0.8 + 1.6 * len(heads)), layout="constrained")
     axes = fig.subplots(len(heads), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, h in zip(axes, heads):
+    for ax, h in zip(axes, heads, strict=False):
         w = _np(demo.weights[row, h * group : (h + 1) * group].mean(0))[: p + 1]
         for b in sorted({b for b in step.topk_idx[h, row].tolist() if b >= 0}):
-            ax.axvspan(b * SPARSE_BLOCK_SIZE, min((b + 1) * SPARSE_BLOCK_SIZE, p + 1), color=SELECTED_COLOR,
-                       alpha=0.15, lw=0, gid="selected-block")
+            ax.axvspan(
+                b * SPARSE_BLOCK_SIZE,
+                min((b + 1) * SPARSE_BLOCK_SIZE, p + 1),
+                color=SELECTED_COLOR,
+                alpha=0.15,
+                lw=0,
+                gid="selected-block",
+            )
         ax.plot(np.arange(p + 1), w, color="black", lw=0.7)
         kept = float(demo.mass[row, h * group : (h + 1) * group].mean())
         ax.set_title(f"head {h}: {kept:.1%} of the attention weight is in the selected blocks", fontsize=9, loc="left")
@@ -201,8 +227,14 @@ def plot_topk_sweep(sweeps: dict) -> Figure:
     styles = [("o", "-", 9), ("s", "--", 7), ("^", "-.", 6), ("D", ":", 4), ("v", "-", 4)]
     for i, (label, rows) in enumerate(sweeps.items()):
         marker, line, size = styles[i % len(styles)]
-        style = {"marker": marker, "linestyle": line, "markersize": size, "label": label, "zorder": 2 + i,
-                 "markerfacecolor": "none" if i % 2 == 0 else None}
+        style = {
+            "marker": marker,
+            "linestyle": line,
+            "markersize": size,
+            "label": label,
+            "zorder": 2 + i,
+            "markerfacecolor": "none" if i % 2 == 0 else None,
+        }
         k = [r["topk"] for r in rows]
         ax_err.plot(k, [max(r["error"], floor) for r in rows], **style)
         ax_mass.plot(k, [r["mass"] for r in rows], **style)
@@ -234,19 +266,23 @@ def plot_cost_model(context_lens=None, batch: int = 1, **shape) -> Figure:
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     ax_tok, ax_bytes = fig.subplots(1, 2)
     ax_tok.plot(x, [c.dense_tokens for c in curve], color=DENSE_COLOR, marker="o", ms=3, label="dense")
-    ax_tok.plot(x, [c.sparse_tokens for c in curve], color=SPARSE_COLOR, marker="o", ms=3, label="sparse (top-k blocks)")
+    ax_tok.plot(
+        x, [c.sparse_tokens for c in curve], color=SPARSE_COLOR, marker="o", ms=3, label="sparse (top-k blocks)"
+    )
     ax_tok.set_ylabel("tokens attended per query and KV head")
     ax_tok.set_title("tokens read", fontsize=10, loc="left")
     mb = 1e6 / batch
     ax_bytes.plot(x, [c.dense_kv_bytes / mb for c in curve], color=DENSE_COLOR, marker="o", ms=3, label="dense K/V")
-    ax_bytes.plot(x, [c.sparse_total_bytes / mb for c in curve], color=SPARSE_COLOR, marker="o", ms=3,
-                  label="sparse total")
+    ax_bytes.plot(
+        x, [c.sparse_total_bytes / mb for c in curve], color=SPARSE_COLOR, marker="o", ms=3, label="sparse total"
+    )
     ax_bytes.plot(x, [c.sparse_kv_bytes / mb for c in curve], color=SPARSE_COLOR, ls="--", label="sparse: selected K/V")
     ax_bytes.plot(x, [c.indexer_bytes / mb for c in curve], color="#2ca02c", ls=":", label="sparse: index keys")
     ax_bytes.set_ylabel(f"MB read per step (batch {batch})")
     last = curve[-1]
-    ax_bytes.set_title(f"bytes read: {last.total_saving:.1f}x less at {last.context_len:,} tokens", fontsize=10,
-                       loc="left")
+    ax_bytes.set_title(
+        f"bytes read: {last.total_saving:.1f}x less at {last.context_len:,} tokens", fontsize=10, loc="left"
+    )
     for ax in (ax_tok, ax_bytes):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -264,15 +300,21 @@ def plot_cost_model(context_lens=None, batch: int = 1, **shape) -> Figure:
 def layer_summary(layer) -> str:
     """Shapes and lengths of a :class:`mm3lab.msa.SyntheticLayer` (deterministic text)."""
     n, hq, d = layer.q.shape
-    return "\n".join([
-        f"pattern {layer.pattern}, layout {layer.cache.layout} (block_page_stride {layer.cache.block_page_stride})",
-        (f"requests {layer.block_table.shape[0]}, seq_lens {layer.seq_lens.tolist()}, "
-        f"decode_query_len {layer.decode_query_len}"),
-        (f"q [{n}, {hq}, {d}]  KV heads {layer.cache.num_kv_heads} (group {hq // layer.cache.num_kv_heads})  "
-        f"index dim {layer.index_cache.shape[2]}"),
-        f"cache blocks {layer.cache.num_blocks}, block table row 0: {layer.block_table[0].tolist()[:12]}"
-        + (" ..." if layer.block_table.shape[1] > 12 else ""),
-    ])
+    return "\n".join(
+        [
+            f"pattern {layer.pattern}, layout {layer.cache.layout} (block_page_stride {layer.cache.block_page_stride})",
+            (
+                f"requests {layer.block_table.shape[0]}, seq_lens {layer.seq_lens.tolist()}, "
+                f"decode_query_len {layer.decode_query_len}"
+            ),
+            (
+                f"q [{n}, {hq}, {d}]  KV heads {layer.cache.num_kv_heads} (group {hq // layer.cache.num_kv_heads})  "
+                f"index dim {layer.index_cache.shape[2]}"
+            ),
+            f"cache blocks {layer.cache.num_blocks}, block table row 0: {layer.block_table[0].tolist()[:12]}"
+            + (" ..." if layer.block_table.shape[1] > 12 else ""),
+        ]
+    )
 
 
 def step_summary(demo, row: int = 0) -> str:
@@ -325,29 +367,48 @@ def plot_msa_demo(demo, row: int = 0) -> Figure:
     layer = demo.layer
     ax_s.set_title(
         f"{layer.pattern}, {layer.cache.layout} layout, context {p + 1}, top-{demo.topk}: head 0 block scores "
-        f"(orange: forced local block)", fontsize=10, loc="left",
+        f"(orange: forced local block)",
+        fontsize=10,
+        loc="left",
     )
     w = _np(demo.weights[row, :group].mean(0))[: p + 1]
     for b in sorted(chosen):
-        ax_w.axvspan(b * SPARSE_BLOCK_SIZE, min((b + 1) * SPARSE_BLOCK_SIZE, p + 1), color=SELECTED_COLOR,
-                     alpha=0.15, lw=0, gid="selected-block")
+        ax_w.axvspan(
+            b * SPARSE_BLOCK_SIZE,
+            min((b + 1) * SPARSE_BLOCK_SIZE, p + 1),
+            color=SELECTED_COLOR,
+            alpha=0.15,
+            lw=0,
+            gid="selected-block",
+        )
     ax_w.plot(np.arange(p + 1), w, color="black", lw=0.7)
     ax_w.set_xlim(0, p + 1)
     ax_w.set_xlabel("token position (shaded: selected blocks)")
     ax_w.set_ylabel("dense weight")
     kept = float(demo.mass[row, :group].mean())
-    ax_w.set_title(f"head 0: {kept:.1%} of the attention weight kept; output error vs dense {demo.error:.3f}",
-                   fontsize=10, loc="left")
+    ax_w.set_title(
+        f"head 0: {kept:.1%} of the attention weight kept; output error vs dense {demo.error:.3f}",
+        fontsize=10,
+        loc="left",
+    )
     return fig
 
 
-DEMO_LAYER = {"batch": 1, "num_kv_heads": 2, "group_size": 4, "head_dim": 64, "index_dim": 32, "attention_temperature": 1.0}
+DEMO_LAYER = {
+    "batch": 1,
+    "num_kv_heads": 2,
+    "group_size": 4,
+    "head_dim": 64,
+    "index_dim": 32,
+    "attention_temperature": 1.0,
+}
 """:func:`mm3lab.msa.synthetic_layer` options of the demos: small shapes (a few seconds per redraw on
 the CPU interpreter) and attention logits as large as the index scores (``attention_temperature``)."""
 
 
-def show_msa(topk: int = 4, context_len: int = 2048, layout: str = "packed", pattern: str = "needle",
-             seed: int = 0) -> Figure:
+def show_msa(
+    topk: int = 4, context_len: int = 2048, layout: str = "packed", pattern: str = "needle", seed: int = 0
+) -> Figure:
     """Build a synthetic layer, run one MSA decode step and the dense baseline; print and draw the result.
 
     The widget's callback (:func:`mm3lab.widgets.msa.msa_widget`).

@@ -73,9 +73,13 @@ def topk_sweep(layer: SyntheticLayer, topks=(1, 2, 4, 8, 16)) -> list[dict]:
     rows = []
     for topk in topks:
         demo = run_msa_demo(layer, int(topk), dense)
-        rows.append(dict(
-            topk=int(topk), error=demo.error, mass=float(demo.mass.mean()),
-            tokens=float(demo.step.sparse_ctx.float().mean()),
-            context=float((demo.step.query_abs_pos.float() + 1).clamp(min=0).mean()),
-        ))
+        rows.append(
+            dict(
+                topk=int(topk),
+                error=demo.error,
+                mass=float(demo.mass.mean()),
+                tokens=float(demo.step.sparse_ctx.float().mean()),
+                context=float((demo.step.query_abs_pos.float() + 1).clamp(min=0).mean()),
+            )
+        )
     return rows

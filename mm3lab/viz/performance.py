@@ -68,7 +68,8 @@ def summary_table(results: dict) -> str:
     """One line per record: time, baseline, speedup, achieved bandwidth (rounded; deterministic text)."""
     meta = results["meta"]
     lines = [
-        f"GPU {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, copy bandwidth {meta['copy_TBps']:.2f} TB/s",
+        f"GPU {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
+        f"copy bandwidth {meta['copy_TBps']:.2f} TB/s",
         f"{'benchmark':<32} {'shape':<44} {'us':>9} {'baseline':<24} {'base us':>9} {'speedup':>8} {'% copy bw':>9}",
     ]
     for r in results["records"]:
@@ -79,7 +80,8 @@ def summary_table(results: dict) -> str:
         speed = f"{r['speedup']:.1f}x" if r["speedup"] is not None else "-"
         frac = f"{100 * r['fraction_of_copy_bw']:.0f}%" if r["fraction_of_copy_bw"] is not None else "-"
         lines.append(
-            f"{r['name']:<32} {_shape_text(r['shape'])[:44]:<44} {1e3 * r['ms']:>9.1f} {base:<24} {base_us:>9} {speed:>8} {frac:>9}"
+            f"{r['name']:<32} {_shape_text(r['shape'])[:44]:<44} {1e3 * r['ms']:>9.1f} "
+            f"{base:<24} {base_us:>9} {speed:>8} {frac:>9}"
         )
     return "\n".join(lines)
 
@@ -107,8 +109,10 @@ def plot_roofline(results: dict):
         return None
     fig = Figure(figsize=(9, max(3, 0.32 * len(uniq) + 1)))
     ax = fig.add_subplot()
-    labels = [f"{r['name']}  {_shape_text(r['shape'], ['batch', 'rows', 'tokens', 'chunk', 'layout'])} "
-              f"({mode_of(r)})" for r in uniq]
+    labels = [
+        f"{r['name']}  {_shape_text(r['shape'], ['batch', 'rows', 'tokens', 'chunk', 'layout'])} ({mode_of(r)})"
+        for r in uniq
+    ]
     values = [r["achieved_TBps"] for r in uniq]
     ax.barh(range(len(uniq)), values, height=0.7, color="tab:blue")
     for y, v in enumerate(values):  # small bandwidths stay readable: log axis, value printed at the bar
@@ -135,7 +139,12 @@ def plot_decode_times(results: dict):
     xs = range(len(batches))
     ax.bar([x - width for x in xs], [1e3 * r["ms"] for r in ours], width, label="mm3lab sparse_attention")
     ax.bar(list(xs), [1e3 * r["baseline_ms"] for r in ours], width, label="gather + SDPA")
-    ax.bar([x + width for x in xs], [1e3 * dense.get(b, float("nan")) for b in batches], width, label="dense SDPA (full context)")
+    ax.bar(
+        [x + width for x in xs],
+        [1e3 * dense.get(b, float("nan")) for b in batches],
+        width,
+        label="dense SDPA (full context)",
+    )
     ax.set_xticks(list(xs), [f"batch {b}" for b in batches])
     ax.set_yscale("log")
     ax.set_ylabel("microseconds (log)")
@@ -151,8 +160,15 @@ def plot_speedups(results: dict):
     rows = [r for r in results["records"] if r["speedup"] is not None]
     fig = Figure(figsize=(9, max(3, 0.3 * len(rows) + 1)))
     ax = fig.add_subplot()
-    labels = [f"{r['name']} vs {r['baseline']}  {_shape_text(r['shape'], ['batch', 'rows', 'tokens', 'chunk', 'layout'])}" for r in rows]
-    ax.barh(range(len(rows)), [r["speedup"] for r in rows], color=["tab:green" if r["speedup"] >= 1 else "tab:red" for r in rows])
+    labels = [
+        f"{r['name']} vs {r['baseline']}  {_shape_text(r['shape'], ['batch', 'rows', 'tokens', 'chunk', 'layout'])}"
+        for r in rows
+    ]
+    ax.barh(
+        range(len(rows)),
+        [r["speedup"] for r in rows],
+        color=["tab:green" if r["speedup"] >= 1 else "tab:red" for r in rows],
+    )
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log")
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
@@ -188,20 +204,26 @@ def goals(results: dict) -> list[dict]:
     goal("block table, 256 rows: speedup over the PyTorch ops", bt and bt["speedup"], 20.0, unit="x")
     goal(
         "block table, 256 rows: time / empty Triton launch (CUDA graph)",
-        bt and empty and round(bt["ms"] / empty["ms"], 3), 1.5, higher=False, unit="x",
+        bt and empty and round(bt["ms"] / empty["ms"], 3),
+        1.5,
+        higher=False,
+        unit="x",
     )
     eager = _first(records(results, "launch_empty_triton_eager"))
     goal(
         "block table, 256 rows: time / empty Triton launch (do_bench)",
-        bt and eager and bt.get("ms_do_bench") and round(bt["ms_do_bench"] / eager["ms"], 3), 1.5,
-        higher=False, unit="x",
+        bt and eager and bt.get("ms_do_bench") and round(bt["ms_do_bench"] / eager["ms"], 3),
+        1.5,
+        higher=False,
+        unit="x",
     )
     a64 = _first(records(results, "attention_decode", "naive_gather_sdpa"), batch=64, layout="dense")
     goal("attention decode, batch 64, 128K: fraction of copy bandwidth", a64 and a64["fraction_of_copy_bw"], 0.6)
     d64 = _first(records(results, "attention_decode", "dense_sdpa"), batch=64)
     goal("attention decode, batch 64: speedup over dense SDPA", d64 and d64["speedup"], 40.0, unit="x")
-    goal("attention decode, batch 64: speedup over gather + SDPA", a64 and a64["speedup"], GATHER_SPEEDUP_GOAL,
-         unit="x")
+    goal(
+        "attention decode, batch 64: speedup over gather + SDPA", a64 and a64["speedup"], GATHER_SPEEDUP_GOAL, unit="x"
+    )
     a1 = _first(records(results, "attention_decode", "naive_gather_sdpa"), batch=1)
     text = "attention decode, batch 1: time / (empty launch + bytes at copy bandwidth)"
     launch = eager or empty  # the issue's floor: an empty launch as do_bench times it
@@ -215,11 +237,15 @@ def goals(results: dict) -> list[dict]:
     t64 = _first(records(results, "topk", "torch.topk"), rows=64)
     goal("top-k, 64 rows of 8192: speedup over torch.topk", t64 and t64["speedup"], 5.0, unit="x")
     f64 = _first(records(results, "indexer_decode_fused_block_table"), batch=64)
-    goal("fused indexer + block table, batch 64: speedup over the two launches", f64 and f64["speedup"], 1.0,
-         unit="x")
+    goal("fused indexer + block table, batch 64: speedup over the two launches", f64 and f64["speedup"], 1.0, unit="x")
     for f in records(results, "topk_fused_block_table"):
-        goal(f"fused top-k + block table from scores, batch {f['shape']['batch']}, {f['shape']['width']} blocks: "
-             "speedup over the two launches", f["speedup"], 1.0, unit="x")
+        goal(
+            f"fused top-k + block table from scores, batch {f['shape']['batch']}, {f['shape']['width']} blocks: "
+            "speedup over the two launches",
+            f["speedup"],
+            1.0,
+            unit="x",
+        )
     pre = _first(records(results, "attention_prefill"))
     goal("attention prefill, 32K: attended FLOP/s / dense SDPA FLOP/s", pre and pre.get("flops_ratio"), 0.5)
     return out
@@ -313,15 +339,16 @@ def limits(results: dict) -> list[str]:
     fused = records(results, "topk_fused_block_table")
     f64 = _first(records(results, "indexer_decode_fused_block_table"), batch=64)
     if fused and f64:
-        parts = ", ".join(f"{f['ms'] * 1e3:.1f} vs {f['baseline_ms'] * 1e3:.1f} us at {f['shape']['width']} blocks"
-                          for f in fused)
+        parts = ", ".join(
+            f"{f['ms'] * 1e3:.1f} vs {f['baseline_ms'] * 1e3:.1f} us at {f['shape']['width']} blocks" for f in fused
+        )
         out.append(
             f"fused top-k + block table: from scores, {parts}: the launch saved is worth about one empty launch, "
             "and the fused program emits its rows' tables one after another; inside the whole indexer "
-            f"({f64['ms'] * 1e3:.0f} us at batch 64) the difference is {abs(f64['ms'] - f64['baseline_ms']) * 1e3:.1f} us."
+            f"({f64['ms'] * 1e3:.0f} us at batch 64) the difference is "
+            f"{abs(f64['ms'] - f64['baseline_ms']) * 1e3:.1f} us."
         )
     return out
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,8 +361,14 @@ MODES = ("graph", "eager")
 MODE_TEXT = {"graph": "CUDA-graph replay", "eager": "eager call", "unknown": "call of unrecorded mode"}
 STAGES = ("insert", "indexer_scores", "topk", "block_table", "attention")
 """The stages of one MSA decode step, in order (``msa_decode_stage`` records' ``shape.stage``)."""
-STAGE_COLORS = {"insert": "tab:gray", "indexer_scores": "tab:orange", "topk": "tab:purple",
-                "block_table": "tab:brown", "topk_block_table": "tab:pink", "attention": "tab:blue"}
+STAGE_COLORS = {
+    "insert": "tab:gray",
+    "indexer_scores": "tab:orange",
+    "topk": "tab:purple",
+    "block_table": "tab:brown",
+    "topk_block_table": "tab:pink",
+    "attention": "tab:blue",
+}
 
 
 def copy_text(results: dict) -> str:
@@ -348,10 +381,14 @@ def meta_text(results: dict) -> str:
     """Where the results come from: GPU, versions, copy bandwidth, modes, suites that failed or were skipped."""
     meta = results["meta"]
     modes = sorted({mode_of(r) for r in results["records"]})
-    lines = [(f"GPU: {meta.get('gpu', '?')}  torch {meta.get('torch', '?')}  triton {meta.get('triton', '?')}  "
-             f"CUDA {meta.get('cuda') or '-'}"),
-             f"measured copy bandwidth: {copy_text(results)}",
-             f"{len(results['records'])} records; modes in this file: {', '.join(modes) or '-'}"]
+    lines = [
+        (
+            f"GPU: {meta.get('gpu', '?')}  torch {meta.get('torch', '?')}  triton {meta.get('triton', '?')}  "
+            f"CUDA {meta.get('cuda') or '-'}"
+        ),
+        f"measured copy bandwidth: {copy_text(results)}",
+        f"{len(results['records'])} records; modes in this file: {', '.join(modes) or '-'}",
+    ]
     if meta.get("samples") and meta.get("calls_per_sample"):
         lines.append(f"each time: median of {meta['samples']} samples of {meta['calls_per_sample']} calls")
     for name, why in sorted((meta.get("failures") or {}).items()):
@@ -377,8 +414,20 @@ def timed(record: dict) -> str:
     return f"{fmt_us(record['ms'])} ({mode_of(record)})"
 
 
-_SHORT = {"batch": "b", "context": "ctx", "q_len": "q", "rows": "rows", "layout": "", "stage": "",
-          "selection": "", "index_dtype": "idx", "kv_dtype": "kv", "width": "w", "tokens": "tok", "chunk": "chunk"}
+_SHORT = {
+    "batch": "b",
+    "context": "ctx",
+    "q_len": "q",
+    "rows": "rows",
+    "layout": "",
+    "stage": "",
+    "selection": "",
+    "index_dtype": "idx",
+    "kv_dtype": "kv",
+    "width": "w",
+    "tokens": "tok",
+    "chunk": "chunk",
+}
 
 
 def short_shape(shape: dict) -> str:
@@ -401,18 +450,24 @@ def _same(shape: dict, **want) -> bool:
 def mode_table(results: dict, width: int = 100) -> str:
     """The summary table with a mode and a cv column, at most ``width`` characters a line."""
     meta = results["meta"]
-    head = (f"{'benchmark':<20} {'shape':<22} {'mode':<5} {'time':>9} {'cv':>4} {'baseline':<14} "
-            f"{'base':>9} {'speedup':>7}")
-    title = (f"{meta.get('gpu', '?')}: copy bandwidth {copy_text(results)}; "
-             "mode: graph = CUDA-graph replay, eager = a plain call, ? = not recorded")
+    head = (
+        f"{'benchmark':<20} {'shape':<22} {'mode':<5} {'time':>9} {'cv':>4} {'baseline':<14} {'base':>9} {'speedup':>7}"
+    )
+    title = (
+        f"{meta.get('gpu', '?')}: copy bandwidth {copy_text(results)}; "
+        "mode: graph = CUDA-graph replay, eager = a plain call, ? = not recorded"
+    )
     lines = [title, head]
     for r in results["records"]:
         if r["name"].startswith(("copy_", "launch_")) or r["name"] == "msa_decode_stage":  # stages: see above
             continue
         cv = f"{100 * r['cv']:.0f}%" if r.get("cv") is not None else "-"
         speed = f"{r['speedup']:.1f}x" if r.get("speedup") is not None else "-"
-        line = (f"{r['name'][:20]:<20} {short_shape(r['shape'])[:22]:<22} {mode_of(r).replace('unknown', '?'):<5} {fmt_us(r['ms']):>9} "
-                f"{cv:>4} {(r.get('baseline') or '-')[:14]:<14} {fmt_us(r.get('baseline_ms')):>9} {speed:>7}")
+        line = (
+            f"{r['name'][:20]:<20} {short_shape(r['shape'])[:22]:<22} "
+            f"{mode_of(r).replace('unknown', '?'):<5} {fmt_us(r['ms']):>9} "
+            f"{cv:>4} {(r.get('baseline') or '-')[:14]:<14} {fmt_us(r.get('baseline_ms')):>9} {speed:>7}"
+        )
         lines.append(line[:width])
     return "\n".join(lines)
 
@@ -436,7 +491,9 @@ def _stage_bytes(record: dict) -> int | None:
     sh = record["shape"]
     if sh.get("dtype", "bf16") != "bf16" or "batch" not in sh or "context" not in sh:
         return None
-    counted = {name: nbytes for name, nbytes, _ in real_size_stages(sh["context"], sh["batch"], sh.get("topk", DEFAULT_TOPK))}
+    counted = {
+        name: nbytes for name, nbytes, _ in real_size_stages(sh["context"], sh["batch"], sh.get("topk", DEFAULT_TOPK))
+    }
     counted["topk_block_table"] = counted["topk"] + counted["block_table"]
     return counted.get(sh.get("stage"))
 
@@ -476,9 +533,18 @@ def stage_breakdown(results: dict, batch: int, context: int, mode: str = "graph"
         elif m not in step or step[m].get("validation") is True:
             step[m] = r
     unfused = [found[s]["ms"] for s in ("topk", "block_table") if s in found]
-    return {"batch": batch, "context": context, "mode": mode, "stages": stages,
-            "sum_ms": sum(r["ms"] for _, r in stages), "total": total, "step": step, "checked": checked,
-            "fused": found.get("topk_block_table"), "unfused_ms": sum(unfused) if len(unfused) == 2 else None}
+    return {
+        "batch": batch,
+        "context": context,
+        "mode": mode,
+        "stages": stages,
+        "sum_ms": sum(r["ms"] for _, r in stages),
+        "total": total,
+        "step": step,
+        "checked": checked,
+        "fused": found.get("topk_block_table"),
+        "unfused_ms": sum(unfused) if len(unfused) == 2 else None,
+    }
 
 
 def breakdown_text(results: dict, batch: int, context: int) -> str:
@@ -486,8 +552,12 @@ def breakdown_text(results: dict, batch: int, context: int) -> str:
     b = stage_breakdown(results, batch, context, "graph") or stage_breakdown(results, batch, context, "eager")
     if b is None:
         return f"no msa_decode_stage records at batch {batch}, context {context}"
-    lines = [(f"MSA decode step, batch {batch}, {short_shape({'context': context})}: each launch alone, "
-             f"as {MODE_TEXT[b['mode']]}s")]
+    lines = [
+        (
+            f"MSA decode step, batch {batch}, {short_shape({'context': context})}: each launch alone, "
+            f"as {MODE_TEXT[b['mode']]}s"
+        )
+    ]
     for stage, r in b["stages"]:
         share = r["ms"] / b["sum_ms"] if b["sum_ms"] else 0.0
         nbytes, copy = _stage_bytes(r), results["meta"].get("copy_TBps")
@@ -513,11 +583,15 @@ def breakdown_text(results: dict, batch: int, context: int) -> str:
     graph = b["total"].get("graph") or b["step"].get("graph")
     eager = b["total"].get("eager") or b["step"].get("eager")
     if graph is not None and b["mode"] == "graph":
-        lines.append(f"  whole step (graph) - sum of launches = {fmt_us(graph['ms'] - b['sum_ms'])}: the gaps "
-                     "between kernels inside one replay")
+        lines.append(
+            f"  whole step (graph) - sum of launches = {fmt_us(graph['ms'] - b['sum_ms'])}: the gaps "
+            "between kernels inside one replay"
+        )
     if graph is not None and eager is not None:
-        lines.append(f"  host overhead: eager - graph = {fmt_us(eager['ms'] - graph['ms'])}, the time Python and "
-                     "the launch path add before the GPU has work")
+        lines.append(
+            f"  host overhead: eager - graph = {fmt_us(eager['ms'] - graph['ms'])}, the time Python and "
+            "the launch path add before the GPU has work"
+        )
     return "\n".join(lines)
 
 
@@ -550,7 +624,7 @@ def plot_stage_breakdown(results: dict, mode: str = "graph") -> Figure | None:
     fig = Figure(figsize=(9.5, 0.5 * len(shapes) + 0.9 * len(batches) + 0.8), layout="constrained")
     axes = fig.subplots(len(batches), 1, squeeze=False, height_ratios=[h + 0.8 for h in heights])[:, 0]
     seen, handles = set(), {}
-    for ax, batch in zip(axes, batches):
+    for ax, batch in zip(axes, batches, strict=False):
         contexts = [c for b, c in shapes if b == batch]
         for y, context in enumerate(contexts):
             b = stage_breakdown(results, batch, context, mode)
@@ -595,8 +669,13 @@ def plot_stage_roofline(results: dict, batch: int | None = None, context: int | 
     ax = fig.add_subplot()
     for y, (stage, r, nbytes, tbps) in enumerate(rows):
         ax.barh(y, tbps, height=0.6, color=STAGE_COLORS[stage], edgecolor="black", linewidth=0.6)
-        ax.text(max(tbps, copy * 0.01), y, f" {tbps / copy:.0%}  ({nbytes / 1e6:.2f} MB in {timed(r)})",
-                va="center", fontsize=8)
+        ax.text(
+            max(tbps, copy * 0.01),
+            y,
+            f" {tbps / copy:.0%}  ({nbytes / 1e6:.2f} MB in {timed(r)})",
+            va="center",
+            fontsize=8,
+        )
     ax.axvline(copy, color="tab:red", linestyle="--", label=f"copy bandwidth {copy:.2f} TB/s")
     ax.set_yticks(range(len(rows)), [s for s, *_ in rows])
     ax.invert_yaxis()
@@ -629,8 +708,16 @@ def host_device_rows(results: dict) -> list[dict]:
     for key, g in graph.items():
         e = eager.get(key)
         if e is not None:
-            out.append({"name": key[0], "shape": g["shape"], "device_ms": g["ms"],
-                        "host_ms": max(e["ms"] - g["ms"], 0.0), "eager_ms": e["ms"], "validation": e.get("validation")})
+            out.append(
+                {
+                    "name": key[0],
+                    "shape": g["shape"],
+                    "device_ms": g["ms"],
+                    "host_ms": max(e["ms"] - g["ms"], 0.0),
+                    "eager_ms": e["ms"],
+                    "validation": e.get("validation"),
+                }
+            )
     return out
 
 
@@ -643,8 +730,14 @@ def plot_host_device(results: dict, limit: int = 12) -> Figure | None:
     ax = fig.add_subplot()
     ys = range(len(rows))
     ax.barh(ys, [1e3 * r["device_ms"] for r in rows], height=0.6, color="tab:blue", label="device (graph replay)")
-    ax.barh(ys, [1e3 * r["host_ms"] for r in rows], left=[1e3 * r["device_ms"] for r in rows], height=0.6,
-            color="tab:orange", label="host overhead (eager - graph)")
+    ax.barh(
+        ys,
+        [1e3 * r["host_ms"] for r in rows],
+        left=[1e3 * r["device_ms"] for r in rows],
+        height=0.6,
+        color="tab:orange",
+        label="host overhead (eager - graph)",
+    )
     ax.set_yticks(list(ys), [f"{r['name']} {short_shape(r['shape'])}" for r in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(left=0)
@@ -678,15 +771,16 @@ def plot_speedup_vs_context(results: dict) -> Figure | None:
     fig = Figure(figsize=(7.5, 4.0), layout="constrained")
     ax = fig.add_subplot()
     for (batch, mode), pts in series.items():
-        xs, ys = zip(*pts)
+        xs, ys = zip(*pts, strict=False)
         ax.plot(xs, ys, "o-" if mode == "graph" else "s--", label=f"batch {batch} ({mode})")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("speedup over dense SDPA (log)")
-    ax.set_title(f"{name}: the sparse read stays ~{DEFAULT_TOPK} blocks while dense grows with context", loc="left",
-                 fontsize=10)
+    ax.set_title(
+        f"{name}: the sparse read stays ~{DEFAULT_TOPK} blocks while dense grows with context", loc="left", fontsize=10
+    )
     ax.legend(fontsize=8)
     return fig
 
@@ -699,13 +793,22 @@ def plot_grid_heatmap(results: dict, name: str = "msa_decode_grid") -> Figure | 
     modes = {mode_of(r) for r in recs}
     mode = "graph" if "graph" in modes else min(modes)
     recs = [r for r in recs if mode_of(r) == mode]
-    panels = sorted({(r["shape"].get("index_dtype", "bf16"), r["shape"].get("kv_dtype", "bf16"), r["shape"].get("q_len", 1))
-                     for r in recs}, key=str)[:4]
+    panels = sorted(
+        {
+            (r["shape"].get("index_dtype", "bf16"), r["shape"].get("kv_dtype", "bf16"), r["shape"].get("q_len", 1))
+            for r in recs
+        },
+        key=str,
+    )[:4]
     fig = Figure(figsize=(4.2 * len(panels), 3.8), layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, (idt, kvt, q) in zip(axes, panels):
-        sub = [r for r in recs if (r["shape"].get("index_dtype", "bf16"), r["shape"].get("kv_dtype", "bf16"),
-                                   r["shape"].get("q_len", 1)) == (idt, kvt, q)]
+    for ax, (idt, kvt, q) in zip(axes, panels, strict=False):
+        sub = [
+            r
+            for r in recs
+            if (r["shape"].get("index_dtype", "bf16"), r["shape"].get("kv_dtype", "bf16"), r["shape"].get("q_len", 1))
+            == (idt, kvt, q)
+        ]
         batches = sorted({r["shape"]["batch"] for r in sub})
         contexts = sorted({r["shape"]["context"] for r in sub})
         grid = [[float("nan")] * len(contexts) for _ in batches]
@@ -736,8 +839,10 @@ def prefill_text(results: dict) -> str:
         tf = f"{r['attended_TFLOPs']:.0f}" if r.get("attended_TFLOPs") is not None else "-"
         ratio = f"{r['flops_ratio']:.2f}" if r.get("flops_ratio") is not None else "-"
         shape = short_shape({k: v for k, v in r["shape"].items() if k != "selection"})
-        lines.append(f"{r['shape'].get('selection', '-'):<10} {shape[:22]:<22} {timed(r):>18} "
-                     f"{(r.get('baseline') or '-')[:22]:<22} {tf:>8} {ratio:>8}")
+        lines.append(
+            f"{r['shape'].get('selection', '-'):<10} {shape[:22]:<22} {timed(r):>18} "
+            f"{(r.get('baseline') or '-')[:22]:<22} {tf:>8} {ratio:>8}"
+        )
     return "\n".join(lines)
 
 
@@ -779,16 +884,19 @@ def validation_text(results: dict) -> str:
     for (name, _), both in pairs.items():
         if True in both and False in both:
             on, off = both[True], both[False]
-            lines.append(f"{name:<22} {short_shape(on['shape']):<22} checks on {fmt_us(on['ms']):>9}, off "
-                         f"{fmt_us(off['ms']):>9}: {fmt_us(on['ms'] - off['ms'])} (eager)")
+            lines.append(
+                f"{name:<22} {short_shape(on['shape']):<22} checks on {fmt_us(on['ms']):>9}, off "
+                f"{fmt_us(off['ms']):>9}: {fmt_us(on['ms'] - off['ms'])} (eager)"
+            )
     return "\n".join(lines) if lines else "no eager records with validation on and off at the same shape"
 
 
 # --- real sizes, from the cost model (nothing measured) ------------------------------------------
 
 
-def real_size_stages(context: int = MAX_CONTEXT, batch: int = 1, topk: int = DEFAULT_TOPK,
-                     kv_bytes: int = 2, index_bytes: int = 2) -> list[tuple[str, int, str]]:
+def real_size_stages(
+    context: int = MAX_CONTEXT, batch: int = 1, topk: int = DEFAULT_TOPK, kv_bytes: int = 2, index_bytes: int = 2
+) -> list[tuple[str, int, str]]:
     """Bytes each stage of one decode step must move at MiniMax-M3's sizes, per layer.
 
     ``(stage, bytes, what)`` for ``batch`` query tokens at ``context`` tokens each:
@@ -801,12 +909,18 @@ def real_size_stages(context: int = MAX_CONTEXT, batch: int = 1, topk: int = DEF
     new_token = NUM_KV_HEADS * HEAD_DIM * 2 * kv_bytes + INDEX_HEAD_DIM * index_bytes
     return [
         ("insert", batch * new_token, "the new token's K, V and index key written"),
-        ("indexer_scores", batch * (c.indexer_bytes + NUM_KV_HEADS * blocks * 4),
-         f"{context} index keys read, {NUM_KV_HEADS} x {blocks} block scores written"),
+        (
+            "indexer_scores",
+            batch * (c.indexer_bytes + NUM_KV_HEADS * blocks * 4),
+            f"{context} index keys read, {NUM_KV_HEADS} x {blocks} block scores written",
+        ),
         ("topk", batch * NUM_KV_HEADS * (blocks * 4 + topk * 4), f"scores read, {topk} block ids per KV head"),
         ("block_table", batch * (NUM_KV_HEADS * topk * 4 + c.table_bytes), "ids read, page ids written"),
-        ("attention", batch * (c.sparse_kv_bytes + NUM_Q_HEADS * HEAD_DIM * 2 * 2),
-         f"K and V of {c.sparse_tokens} tokens per KV head read"),
+        (
+            "attention",
+            batch * (c.sparse_kv_bytes + NUM_Q_HEADS * HEAD_DIM * 2 * 2),
+            f"K and V of {c.sparse_tokens} tokens per KV head read",
+        ),
     ]
 
 
@@ -817,8 +931,10 @@ def real_size_text(context: int = MAX_CONTEXT, batch: int = 1, bandwidth_tbps: f
     bw = bandwidth_tbps or H200_TBPS
     rows = real_size_stages(context, batch)
     total = sum(b for _, b, _ in rows)
-    title = (f"one decode step, one layer, batch {batch}, context {context} ({NUM_Q_HEADS}/{NUM_KV_HEADS} heads, "
-             f"top-k {DEFAULT_TOPK}): bytes per stage, and the time at {bw:.2f} TB/s")
+    title = (
+        f"one decode step, one layer, batch {batch}, context {context} ({NUM_Q_HEADS}/{NUM_KV_HEADS} heads, "
+        f"top-k {DEFAULT_TOPK}): bytes per stage, and the time at {bw:.2f} TB/s"
+    )
     lines = [title]
     for stage, nbytes, what in rows:
         lines.append(f"  {stage:<15} {nbytes / 1e6:>9.3f} MB {nbytes / (bw * 1e12) * 1e6:>8.2f} us  {what}")
@@ -835,8 +951,15 @@ def plot_real_size_stages(contexts=(8192, 131072, MAX_CONTEXT), batch: int = 1) 
         left = 0.0
         for stage, nbytes, _ in real_size_stages(context, batch):
             mb = nbytes / 1e6
-            ax.barh(y, mb, left=left, height=0.55, color=STAGE_COLORS[stage], edgecolor="white",
-                    label=None if stage in seen else stage)
+            ax.barh(
+                y,
+                mb,
+                left=left,
+                height=0.55,
+                color=STAGE_COLORS[stage],
+                edgecolor="white",
+                label=None if stage in seen else stage,
+            )
             seen.add(stage)
             if mb / max(left + mb, 1e-9) > 0.08:
                 ax.text(left + mb / 2, y, f"{mb:.2f}", ha="center", va="center", fontsize=8, color="white")
@@ -845,10 +968,13 @@ def plot_real_size_stages(contexts=(8192, 131072, MAX_CONTEXT), batch: int = 1) 
     ax.set_yticks(range(len(contexts)), [short_shape({"context": c}) for c in contexts])
     ax.invert_yaxis()
     ax.set_xlim(0, ax.get_xlim()[1] * 1.15)
-    ax.set_xlabel(f"MB moved per decode step and layer (batch {batch}, {NUM_Q_HEADS} query / {NUM_KV_HEADS} KV heads, "
-                  f"128-token blocks, top-k {DEFAULT_TOPK}, bf16)")
-    ax.set_title("insert -> indexer scores -> top-k -> block table -> sparse attention: bytes per stage", loc="left",
-                 fontsize=10)
+    ax.set_xlabel(
+        f"MB moved per decode step and layer (batch {batch}, {NUM_Q_HEADS} query / {NUM_KV_HEADS} KV heads, "
+        f"128-token blocks, top-k {DEFAULT_TOPK}, bf16)"
+    )
+    ax.set_title(
+        "insert -> indexer scores -> top-k -> block table -> sparse attention: bytes per stage", loc="left", fontsize=10
+    )
     ax.legend(loc="lower right", fontsize=8)
     return fig
 
@@ -873,18 +999,33 @@ def plan_demo(context_len: int = 1024, topk: int = 4, seed: int = 0) -> str:
     inputs = layer.inputs()
     inputs.pop("decode_query_len")
     q = inputs["q"]
-    plan = MSADecodePlan(inputs["k_cache"], inputs["v_cache"], inputs["index_cache"], batch=q.shape[0],
-                         max_blocks=inputs["block_table"].shape[1], num_q_heads=q.shape[1], topk=topk)
-    lines = [(f"plan: batch {plan.batch}, {plan.num_q_heads} query / {plan.num_kv_heads} KV heads, "
-             f"block table width {plan.max_blocks}, top-k {plan.topk}")]
+    plan = MSADecodePlan(
+        inputs["k_cache"],
+        inputs["v_cache"],
+        inputs["index_cache"],
+        batch=q.shape[0],
+        max_blocks=inputs["block_table"].shape[1],
+        num_q_heads=q.shape[1],
+        topk=topk,
+    )
+    lines = [
+        (
+            f"plan: batch {plan.batch}, {plan.num_q_heads} query / {plan.num_kv_heads} KV heads, "
+            f"block table width {plan.max_blocks}, top-k {plan.topk}"
+        )
+    ]
     one_shot = msa.msa_decode(**inputs, topk=topk)
     out = plan.run(**inputs)
-    lines.append(f"run 1 (seq_len {int(inputs['seq_lens'][0])}): plan.run == msa_decode bit for bit: "
-                 f"{torch.equal(out, one_shot)}; output is the plan's buffer: {out.data_ptr() == plan.out.data_ptr()}")
+    lines.append(
+        f"run 1 (seq_len {int(inputs['seq_lens'][0])}): plan.run == msa_decode bit for bit: "
+        f"{torch.equal(out, one_shot)}; output is the plan's buffer: {out.data_ptr() == plan.out.data_ptr()}"
+    )
     grown = dict(inputs, seq_lens=inputs["seq_lens"] - 1)  # a value change: the same shapes, another length
     out = plan.run(**grown).clone()
-    lines.append(f"run 2 (seq_len {int(grown['seq_lens'][0])}, only a value changed): equal to msa_decode: "
-                 f"{torch.equal(out, msa.msa_decode(**grown, topk=topk))}")
+    lines.append(
+        f"run 2 (seq_len {int(grown['seq_lens'][0])}, only a value changed): equal to msa_decode: "
+        f"{torch.equal(out, msa.msa_decode(**grown, topk=topk))}"
+    )
     wrong = dict(inputs, q=torch.cat([q, q]))
     try:
         plan.run(**wrong)
@@ -892,8 +1033,16 @@ def plan_demo(context_len: int = 1024, topk: int = 4, seed: int = 0) -> str:
     except (ValueError, TypeError) as err:
         lines.append(f"run 3 (two rows instead of one): {type(err).__name__}: {str(err).splitlines()[0]}")
     try:
-        MSADecodePlan(inputs["k_cache"], inputs["v_cache"], inputs["index_cache"], batch=1,
-                      max_blocks=plan.max_blocks, num_q_heads=plan.num_q_heads, topk=topk, graph=True)
+        MSADecodePlan(
+            inputs["k_cache"],
+            inputs["v_cache"],
+            inputs["index_cache"],
+            batch=1,
+            max_blocks=plan.max_blocks,
+            num_q_heads=plan.num_q_heads,
+            topk=topk,
+            graph=True,
+        )
         lines.append("graph=True: captured")
     except (ValueError, TypeError, RuntimeError) as err:
         lines.append(f"graph=True here: {type(err).__name__}: {str(err).splitlines()[0]}")

@@ -23,16 +23,21 @@ from matplotlib.figure import Figure
 from ..constants import SPARSE_BLOCK_SIZE
 
 __all__ = [
-    "SELECTIONS", "bytes_per_tile", "bytes_text", "example_selection", "plot_prefill_tiles", "selection_scores",
-    "tile_block_counts", "visible_tokens",
+    "SELECTIONS",
+    "bytes_per_tile",
+    "bytes_text",
+    "example_selection",
+    "plot_prefill_tiles",
+    "selection_scores",
+    "tile_block_counts",
+    "visible_tokens",
 ]
 
 SELECTIONS = ("random", "tile", "synthetic")
 """Selection workloads of :func:`selection_scores` (and of the prefill benchmark)."""
 
 
-def selection_scores(kind: str, chunk: int, context: int, *, hkv: int = 4, seed: int = 1,
-                     device="cpu") -> torch.Tensor:
+def selection_scores(kind: str, chunk: int, context: int, *, hkv: int = 4, seed: int = 1, device="cpu") -> torch.Tensor:
     """``[Hkv, chunk, blocks]`` block scores of a prefill chunk's rows (the last ``chunk`` positions).
 
     ``kind`` (:data:`SELECTIONS`): ``"random"`` independent per row; ``"tile"`` one draw per
@@ -70,24 +75,30 @@ def selection_scores(kind: str, chunk: int, context: int, *, hkv: int = 4, seed:
     return scores.to(device)
 
 
-def example_selection(kind: str = "synthetic", chunk: int = 1024, context: int = 8192, *, topk: int = 16,
-                      hkv: int = 4, seed: int = 1):
+def example_selection(
+    kind: str = "synthetic", chunk: int = 1024, context: int = 8192, *, topk: int = 16, hkv: int = 4, seed: int = 1
+):
     """``(topk_idx [Hkv, chunk, topk] int32, query_abs_pos [chunk])`` of a chunk ending at ``context``."""
     topk_idx = selection_scores(kind, chunk, context, hkv=hkv, seed=seed).topk(topk, dim=-1).indices
     return topk_idx.to(torch.int32), torch.arange(context - chunk, context)
 
 
-def bytes_text(topk_idx: torch.Tensor, query_abs_pos: torch.Tensor, tile: int = SPARSE_BLOCK_SIZE,
-               head_dim: int = 128, elem_bytes: int = 2) -> str:
+def bytes_text(
+    topk_idx: torch.Tensor,
+    query_abs_pos: torch.Tensor,
+    tile: int = SPARSE_BLOCK_SIZE,
+    head_dim: int = 128,
+    elem_bytes: int = 2,
+) -> str:
     """K + V bytes the chunk reads, all KV heads, per-token against tiled (exact integers, in MB)."""
     per_token = tiled = 0
     for h in range(topk_idx.shape[0]):
         p, t = bytes_per_tile(topk_idx, query_abs_pos, h, tile, head_dim, elem_bytes)
         per_token, tiled = per_token + int(p.sum()), tiled + int(t.sum())
-    return (f"K+V read by the chunk: per-token kernel {per_token / 1e6:.1f} MB, tiled kernel "
-            f"({tile}-row tiles) {tiled / 1e6:.1f} MB, {per_token / max(tiled, 1):.2f}x less")
-
-
+    return (
+        f"K+V read by the chunk: per-token kernel {per_token / 1e6:.1f} MB, tiled kernel "
+        f"({tile}-row tiles) {tiled / 1e6:.1f} MB, {per_token / max(tiled, 1):.2f}x less"
+    )
 
 
 def visible_tokens(topk_idx: torch.Tensor, query_abs_pos: torch.Tensor, head: int = 0) -> np.ndarray:
@@ -109,8 +120,9 @@ def visible_tokens(topk_idx: torch.Tensor, query_abs_pos: torch.Tensor, head: in
     return (tokens * chosen).numpy()
 
 
-def tile_block_counts(topk_idx: torch.Tensor, query_abs_pos: torch.Tensor, head: int = 0,
-                      tile: int = SPARSE_BLOCK_SIZE) -> np.ndarray:
+def tile_block_counts(
+    topk_idx: torch.Tensor, query_abs_pos: torch.Tensor, head: int = 0, tile: int = SPARSE_BLOCK_SIZE
+) -> np.ndarray:
     """``[tiles, blocks]``: how many of the tile's ``tile`` consecutive rows chose each block."""
     vis = visible_tokens(topk_idx, query_abs_pos, head) > 0
     tiles = -(-vis.shape[0] // tile)
@@ -119,8 +131,14 @@ def tile_block_counts(topk_idx: torch.Tensor, query_abs_pos: torch.Tensor, head:
     return padded.reshape(tiles, tile, -1).sum(1)
 
 
-def bytes_per_tile(topk_idx: torch.Tensor, query_abs_pos: torch.Tensor, head: int = 0,
-                   tile: int = SPARSE_BLOCK_SIZE, head_dim: int = 128, elem_bytes: int = 2):
+def bytes_per_tile(
+    topk_idx: torch.Tensor,
+    query_abs_pos: torch.Tensor,
+    head: int = 0,
+    tile: int = SPARSE_BLOCK_SIZE,
+    head_dim: int = 128,
+    elem_bytes: int = 2,
+):
     """``(per_token [tiles], tiled [tiles])`` K + V bytes one KV head's tile reads.
 
     Per-token kernel: each row reads the tokens it attends. Tiled kernel: each token
@@ -135,9 +153,15 @@ def bytes_per_tile(topk_idx: torch.Tensor, query_abs_pos: torch.Tensor, head: in
     return per_token.sum((1, 2)) * token_bytes, per_token.max(1).sum(1) * token_bytes
 
 
-def plot_prefill_tiles(topk_idx: torch.Tensor, query_abs_pos: torch.Tensor, head: int = 0,
-                       tile: int = SPARSE_BLOCK_SIZE, head_dim: int = 128, elem_bytes: int = 2,
-                       title: str | None = None) -> Figure:
+def plot_prefill_tiles(
+    topk_idx: torch.Tensor,
+    query_abs_pos: torch.Tensor,
+    head: int = 0,
+    tile: int = SPARSE_BLOCK_SIZE,
+    head_dim: int = 128,
+    elem_bytes: int = 2,
+    title: str | None = None,
+) -> Figure:
     """Left: query tiles x blocks coloured by how many queries of the tile chose the block.
     Right: MB read per tile by the per-token kernel and by the tiled kernel."""
     counts = tile_block_counts(topk_idx, query_abs_pos, head, tile)

@@ -58,19 +58,34 @@ def _finite_scores(scores: np.ndarray) -> np.ndarray:
 # --- the heatmap ------------------------------------------------------------------------------
 
 
-def _draw_heatmap(ax, selection: Selection, head: int, needle_block: int | None, title: str | None,
-                  query_position: int | None = None) -> None:
+def _draw_heatmap(
+    ax, selection: Selection, head: int, needle_block: int | None, title: str | None, query_position: int | None = None
+) -> None:
     scores = selection.scores[head].numpy()  # [T, nb]
     t, nb = scores.shape
-    image = ax.imshow(_finite_scores(scores), aspect="auto", interpolation="nearest", cmap=_CMAP,
-                      extent=(-0.5, nb - 0.5, t - 0.5, -0.5))
+    image = ax.imshow(
+        _finite_scores(scores),
+        aspect="auto",
+        interpolation="nearest",
+        cmap=_CMAP,
+        extent=(-0.5, nb - 0.5, t - 0.5, -0.5),
+    )
     chosen = selection.selected_mask()[head].numpy()
     rows, blocks = np.nonzero(chosen)
     ax.scatter(blocks, rows, s=9, c=SELECTED_COLOR, marker="o", linewidths=0, gid="selected", zorder=3)
     forced = selection.forced_mask().numpy()
     f_rows, f_blocks = np.nonzero(forced)
-    ax.scatter(f_blocks, f_rows, s=30, facecolors="none", edgecolors=FORCED_COLOR, marker="s", linewidths=0.8,
-               gid="forced", zorder=2)
+    ax.scatter(
+        f_blocks,
+        f_rows,
+        s=30,
+        facecolors="none",
+        edgecolors=FORCED_COLOR,
+        marker="s",
+        linewidths=0.8,
+        gid="forced",
+        zorder=2,
+    )
     if needle_block is not None:
         ax.axvline(needle_block, color=NEEDLE_COLOR, linestyle="--", linewidth=1.0, gid="needle")
     if query_position is not None:
@@ -84,8 +99,14 @@ def _draw_heatmap(ax, selection: Selection, head: int, needle_block: int | None,
     return image
 
 
-def plot_score_heatmap(selection: Selection, head: int = 0, *, needle_block: int | None = None,
-                       title: str | None = None, query_position: int | None = None) -> Figure:
+def plot_score_heatmap(
+    selection: Selection,
+    head: int = 0,
+    *,
+    needle_block: int | None = None,
+    title: str | None = None,
+    query_position: int | None = None,
+) -> Figure:
     """Raw block scores of every query row (rows) and block (columns) for one index head.
 
     Red dots: the blocks the indexer chose. Orange squares: forced blocks (init and the
@@ -96,9 +117,15 @@ def plot_score_heatmap(selection: Selection, head: int = 0, *, needle_block: int
     ax = fig.add_subplot()
     image = _draw_heatmap(ax, selection, head, needle_block, title, query_position)
     fig.colorbar(image, ax=ax, label="block score (max index_q . index_k)")
-    ax.legend(handles=[Patch(color=SELECTED_COLOR, label="selected"),
-                       Patch(facecolor="none", edgecolor=FORCED_COLOR, label="forced")],
-              loc="lower left", fontsize=8, framealpha=0.8)
+    ax.legend(
+        handles=[
+            Patch(color=SELECTED_COLOR, label="selected"),
+            Patch(facecolor="none", edgecolor=FORCED_COLOR, label="forced"),
+        ],
+        loc="lower left",
+        fontsize=8,
+        framealpha=0.8,
+    )
     return fig
 
 
@@ -106,7 +133,7 @@ def plot_pattern_gallery(items: Sequence[tuple[object, Selection]], head: int = 
     """``items``: ``(sequence, selection)`` pairs; one heatmap each, side by side."""
     fig = Figure(figsize=(3.4 * len(items), 3.6), layout="constrained")
     axes = fig.subplots(1, len(items), squeeze=False)[0]
-    for ax, (seq, selection) in zip(axes, items):
+    for ax, (seq, selection) in zip(axes, items, strict=False):
         _draw_heatmap(ax, selection, head, seq.needle_block, f"{seq.pattern} (head {head}, top-{selection.topk})")
         ax.tick_params(labelsize=10)
         ax.xaxis.label.set_fontsize(11)
@@ -125,14 +152,21 @@ def selection_text(selection: Selection, position: int, head: int = 0) -> str:
     ids = [b for b in selection.topk_idx[head, row].tolist() if b >= 0]
     rank = {b: i + 1 for i, b in enumerate(ids)}
     forced = selection.forced_mask()[row].tolist()
-    lines = [(f"query at p={position} (block {position // SPARSE_BLOCK_SIZE}), head {head}: {valid} candidate "
-             f"blocks, top-{selection.topk} = {ids}"),
-             "block  raw score  ranked as    rank"]
+    lines = [
+        (
+            f"query at p={position} (block {position // SPARSE_BLOCK_SIZE}), head {head}: {valid} candidate "
+            f"blocks, top-{selection.topk} = {ids}"
+        ),
+        "block  raw score  ranked as    rank",
+    ]
     for b in range(valid):
         raw = float(selection.scores[head, row, b])
         ranked = float(selection.forced[head, row, b])
-        shown = "forced 1e30" if ranked == float(np.float32(1e30)) else (
-            "forced 1e29" if ranked == float(np.float32(1e29)) else f"{ranked:9.2f}")
+        shown = (
+            "forced 1e30"
+            if ranked == float(np.float32(1e30))
+            else ("forced 1e29" if ranked == float(np.float32(1e29)) else f"{ranked:9.2f}")
+        )
         mark = str(rank[b]) if b in rank else "-"
         note = " (forced)" if forced[b] else ""
         lines.append(f"{b:5d}  {raw:9.2f}  {shown:>11s}  {mark:>4s}{note}")
@@ -150,9 +184,15 @@ def _draw_row(ax, selection: Selection, row: int, head: int, title: str) -> None
     forced = selection.forced_mask()[row].numpy()
     for b in range(valid):
         picked = b in ids
-        ax.bar(b, heights[b] - floor, bottom=floor, color=SELECTED_COLOR if picked else OTHER_COLOR,
-                     hatch="//" if forced[b] else None, edgecolor=FORCED_COLOR if forced[b] else "none",
-                     gid="bar-selected" if picked else "bar-other")
+        ax.bar(
+            b,
+            heights[b] - floor,
+            bottom=floor,
+            color=SELECTED_COLOR if picked else OTHER_COLOR,
+            hatch="//" if forced[b] else None,
+            edgecolor=FORCED_COLOR if forced[b] else "none",
+            gid="bar-selected" if picked else "bar-other",
+        )
         if picked:
             ax.text(b, heights[b], str(ids.index(b) + 1), ha="center", va="bottom", fontsize=8)
     ax.set_xlim(-0.6, max(valid, 1) - 0.4)
@@ -165,11 +205,22 @@ def plot_query_scores(selection: Selection, position: int, head: int = 0) -> Fig
     """One query row: a bar per candidate block, chosen ones red with their rank, forced ones hatched."""
     fig = Figure(figsize=(6.0, 3.0), layout="constrained")
     ax = fig.add_subplot()
-    _draw_row(ax, selection, _row_of(selection, position), head,
-              f"p={position}, head {head}: top-{selection.topk} (numbers: rank)")
-    ax.legend(handles=[Patch(color=SELECTED_COLOR, label="selected"), Patch(color=OTHER_COLOR, label="not selected"),
-                       Patch(facecolor="white", edgecolor=FORCED_COLOR, hatch="//", label="forced")],
-              fontsize=8, loc="best")
+    _draw_row(
+        ax,
+        selection,
+        _row_of(selection, position),
+        head,
+        f"p={position}, head {head}: top-{selection.topk} (numbers: rank)",
+    )
+    ax.legend(
+        handles=[
+            Patch(color=SELECTED_COLOR, label="selected"),
+            Patch(color=OTHER_COLOR, label="not selected"),
+            Patch(facecolor="white", edgecolor=FORCED_COLOR, hatch="//", label="forced"),
+        ],
+        fontsize=8,
+        loc="best",
+    )
     return fig
 
 
@@ -182,24 +233,26 @@ def _with_and_without(seq, position: int, topk: int, init_blocks: int, local_blo
     return plain, forced
 
 
-def forcing_text(seq, position: int, topk: int = 4, init_blocks: int = 1, local_blocks: int = 1,
-                 head: int = 0) -> str:
+def forcing_text(seq, position: int, topk: int = 4, init_blocks: int = 1, local_blocks: int = 1, head: int = 0) -> str:
     """What init/local forcing changes for one query: the chosen blocks without and with it."""
     plain, forced = _with_and_without(seq, position, topk, init_blocks, local_blocks)
     a = [b for b in plain.topk_idx[head, 0].tolist() if b >= 0]
     b = [x for x in forced.topk_idx[head, 0].tolist() if x >= 0]
     added = [x for x in b if x not in a]
     dropped = [x for x in a if x not in b]
-    return "\n".join([
-        f"{seq.pattern}, query at p={position}, head {head}, top-{topk}",
-        f"  {'no forcing (init 0, local 0):':34s} {a}",
-        f"  {f'forcing (init {init_blocks}, local {local_blocks}):':34s} {b}",
-        f"  brought in by forcing: {added or 'nothing'}; pushed out: {dropped or 'nothing'}",
-    ])
+    return "\n".join(
+        [
+            f"{seq.pattern}, query at p={position}, head {head}, top-{topk}",
+            f"  {'no forcing (init 0, local 0):':34s} {a}",
+            f"  {f'forcing (init {init_blocks}, local {local_blocks}):':34s} {b}",
+            f"  brought in by forcing: {added or 'nothing'}; pushed out: {dropped or 'nothing'}",
+        ]
+    )
 
 
-def plot_forcing_effect(seq, position: int, topk: int = 4, init_blocks: int = 1, local_blocks: int = 1,
-                        head: int = 0) -> Figure:
+def plot_forcing_effect(
+    seq, position: int, topk: int = 4, init_blocks: int = 1, local_blocks: int = 1, head: int = 0
+) -> Figure:
     """One query's scores twice: chosen without forcing (left) and with ``init_blocks`` /
     ``local_blocks`` forcing (right). Blocks forcing brings in are outlined green, blocks it
     pushes out black."""
@@ -213,11 +266,24 @@ def plot_forcing_effect(seq, position: int, topk: int = 4, init_blocks: int = 1,
     top = axes[1].get_ylim()[1]
     bottom = axes[1].get_ylim()[0]
     for blk in sorted(b - a):
-        axes[1].add_patch(Rectangle((blk - 0.45, bottom), 0.9, top - bottom, fill=False, edgecolor="#2ca02c",
-                                    linewidth=2, gid="added"))
+        axes[1].add_patch(
+            Rectangle(
+                (blk - 0.45, bottom), 0.9, top - bottom, fill=False, edgecolor="#2ca02c", linewidth=2, gid="added"
+            )
+        )
     for blk in sorted(a - b):
-        axes[1].add_patch(Rectangle((blk - 0.45, bottom), 0.9, top - bottom, fill=False, edgecolor="black",
-                                    linewidth=1.5, linestyle="--", gid="dropped"))
+        axes[1].add_patch(
+            Rectangle(
+                (blk - 0.45, bottom),
+                0.9,
+                top - bottom,
+                fill=False,
+                edgecolor="black",
+                linewidth=1.5,
+                linestyle="--",
+                gid="dropped",
+            )
+        )
     fig.suptitle(f"{seq.pattern}: query at p={position}, head {head}", fontsize=10)
     return fig
 
@@ -237,8 +303,9 @@ def plot_mass_curve(curves: MassCurve | Sequence[MassCurve]) -> Figure:
     for i, c in enumerate(curves):
         color = f"C{i}"
         ax.plot(c.topks, c.indexer, marker="o", color=color, label=f"{c.pattern}: indexer", gid="indexer")
-        ax.plot(c.topks, c.oracle, linestyle="--", color=color, alpha=0.7, label=f"{c.pattern}: best possible",
-                gid="oracle")
+        ax.plot(
+            c.topks, c.oracle, linestyle="--", color=color, alpha=0.7, label=f"{c.pattern}: best possible", gid="oracle"
+        )
     ax.set_xscale("log", base=2)
     ax.set_xticks(curves[0].topks, [str(k) for k in curves[0].topks])
     ax.set_ylim(0, 1.02)
@@ -279,8 +346,7 @@ def agreement_text(selection: Selection, reference: Selection, atol: float = SCO
     if close:
         with np.errstate(invalid="ignore"):  # -inf - -inf is NaN: both masked, handled beside it
             close = bool(np.all((np.isneginf(a) & np.isneginf(b)) | (np.abs(a - b) <= atol)))
-    return (f"kernel == reference (top-k ids): {same_ids}\n"
-            f"scores agree with the reference within {atol:g}: {close}")
+    return f"kernel == reference (top-k ids): {same_ids}\nscores agree with the reference within {atol:g}: {close}"
 
 
 # --- the widget's callback --------------------------------------------------------------------
@@ -294,9 +360,17 @@ def demo_sequence(pattern: str, seq_len: int = DEMO_SEQ_LEN, seed: int = 0):
     return make_sequence(pattern, seq_len, seed=seed)
 
 
-def show_selection(pattern: str = "needle", topk: int = 4, init_blocks: int = 0, local_blocks: int = 1,
-                   query_position: int = DEMO_SEQ_LEN - 1, head: int = 0, seq_len: int = DEMO_SEQ_LEN,
-                   seed: int = 0, rows: int = 32) -> Figure:
+def show_selection(
+    pattern: str = "needle",
+    topk: int = 4,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    query_position: int = DEMO_SEQ_LEN - 1,
+    head: int = 0,
+    seq_len: int = DEMO_SEQ_LEN,
+    seed: int = 0,
+    rows: int = 32,
+) -> Figure:
     """Print one query row's selection and its captured attention mass; return heatmap + row.
 
     The heatmap's rows are ``rows`` positions spread over the sequence plus ``query_position``.
@@ -317,13 +391,14 @@ def show_selection(pattern: str = "needle", topk: int = 4, init_blocks: int = 0,
     row = positions.index(int(query_position))
     group = seq.num_q_heads // seq.num_kv_heads
     print(selection_text(selection, int(query_position), head))
-    print(f"attention mass on the selected blocks (query heads {head * group}..{head * group + group - 1}): "
-          f"{float(mass[head * group:(head + 1) * group, row].mean()):.3f}; all rows and heads: "
-          f"{float(mass.mean()):.3f}")
+    print(
+        f"attention mass on the selected blocks (query heads {head * group}..{head * group + group - 1}): "
+        f"{float(mass[head * group : (head + 1) * group, row].mean()):.3f}; all rows and heads: "
+        f"{float(mass.mean()):.3f}"
+    )
     fig = Figure(figsize=(11.0, 3.8), layout="constrained")
     axes = fig.subplots(1, 2, width_ratios=[1.0, 1.3])
-    _draw_heatmap(axes[0], selection, head, seq.needle_block, f"{pattern}: scores and top-{topk}",
-                  int(query_position))
+    _draw_heatmap(axes[0], selection, head, seq.needle_block, f"{pattern}: scores and top-{topk}", int(query_position))
     _draw_row(axes[1], selection, row, head, f"p={query_position}, head {head} (numbers: rank)")
     return fig
 

@@ -46,8 +46,11 @@ def control_style() -> dict:
 def _settle(control: widgets.Widget) -> widgets.Widget:
     if hasattr(control, "continuous_update"):
         control.continuous_update = False
-    if isinstance(control, widgets.DOMWidget) and hasattr(control, "style") and hasattr(control.style,
-                                                                                         "description_width"):
+    if (
+        isinstance(control, widgets.DOMWidget)
+        and hasattr(control, "style")
+        and hasattr(control.style, "description_width")
+    ):
         control.style.description_width = LABEL_WIDTH
     if isinstance(control, widgets.ToggleButtons):
         control.style.button_width = "auto"

@@ -23,9 +23,13 @@ def _show(position: int, topk: str, decode_query_len: int, block_page_stride: in
     return fig
 
 
-def causal_tail_widget(position: int = 300, topk: str = "2 0 1 -1", decode_query_len: int = 1,
-                       block_page_stride: int = 8,
-                       block_table_row: Sequence[int] = DEMO_BLOCK_TABLE_ROW) -> LiveView:
+def causal_tail_widget(
+    position: int = 300,
+    topk: str = "2 0 1 -1",
+    decode_query_len: int = 1,
+    block_page_stride: int = 8,
+    block_table_row: Sequence[int] = DEMO_BLOCK_TABLE_ROW,
+) -> LiveView:
     """A :class:`~mm3lab.widgets._live.LiveView` (``ipywidgets.interactive``, redrawn in place) with
     controls ``position``, ``topk``, ``decode_query_len``, ``stride``.
 
@@ -36,12 +40,18 @@ def causal_tail_widget(position: int = 300, topk: str = "2 0 1 -1", decode_query
     """
     table = tuple(int(b) for b in block_table_row)
     controls = {
-        "position": widgets.IntSlider(value=position, min=0, max=len(table) * SPARSE_BLOCK_SIZE - 1,
-                                   description="position p", continuous_update=False),
+        "position": widgets.IntSlider(
+            value=position,
+            min=0,
+            max=len(table) * SPARSE_BLOCK_SIZE - 1,
+            description="position p",
+            continuous_update=False,
+        ),
         "topk": widgets.Text(value=topk, description="top-k row", continuous_update=False),
         "decode_query_len": widgets.IntSlider(value=decode_query_len, min=1, max=4, description="dql"),
-        "block_page_stride": widgets.ToggleButtons(options=list(BLOCK_PAGE_STRIDES), value=block_page_stride,
-                                                description="stride"),
+        "block_page_stride": widgets.ToggleButtons(
+            options=list(BLOCK_PAGE_STRIDES), value=block_page_stride, description="stride"
+        ),
         "block_table_row": widgets.fixed(table),
     }
     return LiveView(_show, **controls)

@@ -16,8 +16,9 @@ def _show(pattern: str, context: int, topk: int, dtype: str, head: int):
     return show_fp8_selection(pattern, context, topk, dtype, head)
 
 
-def fp8_widget(pattern: str = "needle", context: int = 16384, topk: int = 16, dtype: str = "fp8",
-               head: int = 0) -> LiveView:
+def fp8_widget(
+    pattern: str = "needle", context: int = 16384, topk: int = 16, dtype: str = "fp8", head: int = 0
+) -> LiveView:
     """A :class:`~mm3lab.widgets._live.LiveView` with controls ``pattern``, ``context``, ``top-k``,
     ``dtype`` and ``head``.
 
@@ -27,8 +28,9 @@ def fp8_widget(pattern: str = "needle", context: int = 16384, topk: int = 16, dt
     """
     controls = {
         "pattern": widgets.Dropdown(options=list(PATTERNS), value=pattern, description="pattern"),
-        "context": widgets.Dropdown(options=[(f"{c // 1024}K", c) for c in WIDGET_CONTEXTS], value=context,
-                                    description="context"),
+        "context": widgets.Dropdown(
+            options=[(f"{c // 1024}K", c) for c in WIDGET_CONTEXTS], value=context, description="context"
+        ),
         "topk": widgets.IntSlider(value=topk, min=1, max=16, description="top-k"),
         "dtype": widgets.ToggleButtons(options=list(KEY_DTYPES), value=dtype, description="index keys"),
         "head": widgets.IntSlider(value=head, min=0, max=1, description="head"),

@@ -29,8 +29,9 @@ def index_cache_widget(prefill_len: int = 200, decode_steps: int = 3, request: i
     controls = {
         "prefill_len": widgets.IntSlider(value=prefill_len, min=0, max=capacity - 8, description="prefill"),
         "decode_steps": widgets.IntSlider(value=decode_steps, min=0, max=8, description="decode steps"),
-        "request": widgets.ToggleButtons(options=list(range(len(DEMO_BLOCK_TABLE))), value=request,
-                                         description="request"),
+        "request": widgets.ToggleButtons(
+            options=list(range(len(DEMO_BLOCK_TABLE))), value=request, description="request"
+        ),
     }
     return LiveView(_show, **controls)
 

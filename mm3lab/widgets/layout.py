@@ -16,8 +16,9 @@ def _show(layout: str, block: int, num_kv_heads: int, num_blocks: int):
     return fig
 
 
-def layout_widget(num_blocks: int = 4, layout: str = "packed", block: int = 0,
-                  num_kv_heads: int = NUM_KV_HEADS) -> LiveView:
+def layout_widget(
+    num_blocks: int = 4, layout: str = "packed", block: int = 0, num_kv_heads: int = NUM_KV_HEADS
+) -> LiveView:
     """A :class:`~mm3lab.widgets._live.LiveView` (``ipywidgets.interactive``, redrawn in place) with
     controls ``layout``, ``block``, ``num_kv_heads``.
 

@@ -16,8 +16,9 @@ def _show(topk: int, context_len: int, layout: str, pattern: str):
     return fig
 
 
-def msa_widget(topk: int = 4, context_len: int = 2048, layout: str = "packed", pattern: str = "needle",
-               max_context: int = 8192) -> LiveView:
+def msa_widget(
+    topk: int = 4, context_len: int = 2048, layout: str = "packed", pattern: str = "needle", max_context: int = 8192
+) -> LiveView:
     """A :class:`~mm3lab.widgets._live.LiveView` (``ipywidgets.interactive``, redrawn in place) with
     controls ``topk``, ``context_len``, ``layout``, ``pattern``.
 
@@ -27,8 +28,9 @@ def msa_widget(topk: int = 4, context_len: int = 2048, layout: str = "packed", p
     """
     controls = {
         "topk": widgets.IntSlider(value=topk, min=1, max=32, description="top-k", continuous_update=False),
-        "context_len": widgets.IntSlider(value=context_len, min=128, max=max_context, step=128,
-                                      description="context", continuous_update=False),
+        "context_len": widgets.IntSlider(
+            value=context_len, min=128, max=max_context, step=128, description="context", continuous_update=False
+        ),
         "layout": widgets.ToggleButtons(options=list(LAYOUTS), value=layout, description="layout"),
         "pattern": widgets.Dropdown(options=list(PATTERNS), value=pattern, description="pattern"),
     }

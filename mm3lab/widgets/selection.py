@@ -12,15 +12,21 @@ from ..viz.selection import DEMO_SEQ_LEN, show_selection
 from ._live import LiveView
 
 
-def _show(pattern: str, topk: int, init_blocks: int, local_blocks: int, query_position: int, head: int,
-          seq_len: int):
+def _show(pattern: str, topk: int, init_blocks: int, local_blocks: int, query_position: int, head: int, seq_len: int):
     fig = show_selection(pattern, topk, init_blocks, local_blocks, query_position, head, seq_len)
     return fig
 
 
-def selection_widget(pattern: str = "needle", topk: int = 4, init_blocks: int = 0, local_blocks: int = 1,
-                     query_position: int | None = None, head: int = 0, seq_len: int = DEMO_SEQ_LEN,
-                     num_kv_heads: int = 4) -> LiveView:
+def selection_widget(
+    pattern: str = "needle",
+    topk: int = 4,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    query_position: int | None = None,
+    head: int = 0,
+    seq_len: int = DEMO_SEQ_LEN,
+    num_kv_heads: int = 4,
+) -> LiveView:
     """A :class:`~mm3lab.widgets._live.LiveView` (``ipywidgets.interactive``, redrawn in place) with
     controls ``pattern``, ``topk``, ``init_blocks``,
     ``local_blocks``, ``query_position`` and ``head``.
@@ -35,8 +41,9 @@ def selection_widget(pattern: str = "needle", topk: int = 4, init_blocks: int = 
         "topk": widgets.IntSlider(value=topk, min=1, max=blocks, description="top-k"),
         "init_blocks": widgets.IntSlider(value=init_blocks, min=0, max=4, description="init blocks"),
         "local_blocks": widgets.IntSlider(value=local_blocks, min=0, max=4, description="local blocks"),
-        "query_position": widgets.IntSlider(value=query_position, min=0, max=seq_len - 1, step=1,
-                                         description="query p", continuous_update=False),
+        "query_position": widgets.IntSlider(
+            value=query_position, min=0, max=seq_len - 1, step=1, description="query p", continuous_update=False
+        ),
         "head": widgets.IntSlider(value=head, min=0, max=num_kv_heads - 1, description="head"),
         "seq_len": widgets.fixed(seq_len),
     }

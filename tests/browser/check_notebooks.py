@@ -38,8 +38,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM_FLAGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
@@ -101,21 +106,37 @@ class Lab:
         settings = tmp / "settings" / "@jupyterlab" / "docmanager-extension"
         settings.mkdir(parents=True)
         (settings / "plugin.jupyterlab-settings").write_text(json.dumps({"autosave": False}))
-        env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
-                   JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
-                   JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), PYTHONUNBUFFERED="1")
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            JUPYTER_CONFIG_DIR=str(tmp / "config"),
+            JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
+            JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
+            JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
+            PYTHONUNBUFFERED="1",
+        )
         root = work
         env.pop("MPLBACKEND", None)  # the kernel uses the inline backend, as a reader's would
-        cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={self.port}", "--ip=127.0.0.1",
-               f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
-               "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None",
-               "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            f"--port={self.port}",
+            "--ip=127.0.0.1",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={root}",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-root")
         self.log = open(tmp / "jupyterlab.log", "w")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -205,16 +226,21 @@ class Checker:
             # any widget class counts (interactive views, boxes, single controls), one per output
             rendered = page.locator(".jp-OutputArea-output", has=page.locator(".jupyter-widgets")).count()
             if broken or raw or rendered < widgets_expected:
-                self.fail(name, f"{widgets_expected} widget outputs, {rendered} rendered as widgets, "
-                                f"{broken} 'Error displaying widget', {raw} shown as text")
+                self.fail(
+                    name,
+                    f"{widgets_expected} widget outputs, {rendered} rendered as widgets, "
+                    f"{broken} 'Error displaying widget', {raw} shown as text",
+                )
             views = page.locator(".mm3lab-live").count()
             moved = self.check_controls(page, name, views)
             page.screenshot(path=str(shots / f"{path.stem}-after.png"), full_page=True)
             for msg in console:
                 self.fail(name, f"browser console error: {msg[:300]}")
-            self.timings.append(f"{name}: opened and ran in {t_run:.1f} s ({stored} stored widget outputs); "
-                                f"{views} live views, {moved} control moves checked; "
-                                f"{time.monotonic() - t0:.1f} s in all")
+            self.timings.append(
+                f"{name}: opened and ran in {t_run:.1f} s ({stored} stored widget outputs); "
+                f"{views} live views, {moved} control moves checked; "
+                f"{time.monotonic() - t0:.1f} s in all"
+            )
             print("  " + self.timings[-1], flush=True)
         except Exception as err:  # noqa: BLE001 (any failure is reported, the next notebook still runs)
             self.fail(name, f"{type(err).__name__}: {err}")
@@ -235,8 +261,12 @@ class Checker:
 
     def _controls(self, view):
         out = []
-        for kind, selector in (("slider", ".widget-slider"), ("toggle", ".widget-toggle-buttons"),
-                               ("dropdown", ".widget-dropdown"), ("text", ".widget-text")):
+        for kind, selector in (
+            ("slider", ".widget-slider"),
+            ("toggle", ".widget-toggle-buttons"),
+            ("dropdown", ".widget-dropdown"),
+            ("text", ".widget-text"),
+        ):
             loc = view.locator(selector)
             for j in range(loc.count()):
                 out.append((kind, loc.nth(j)))
@@ -255,7 +285,9 @@ class Checker:
                     page.mouse.down()
                     page.mouse.move(box["x"] + frac * box["width"], hb["y"] + hb["height"] / 2, steps=8)
                     page.mouse.up()
+
                 return go
+
             # targets away from where the handle is now, so that a slider with few values really moves
             box, hb = track.bounding_box(), handle.bounding_box()
             now = (hb["x"] + hb["width"] / 2 - box["x"]) / max(box["width"], 1.0)
@@ -285,9 +317,13 @@ class Checker:
             def go():
                 box.fill(text)
                 box.press("Enter")
+
             return go
-        return [("edit", edit(current.rsplit(" ", 1)[0] if " " in current else current + " 0")),
-                ("edit back", edit(current))]
+
+        return [
+            ("edit", edit(current.rsplit(" ", 1)[0] if " " in current else current + " 0")),
+            ("edit back", edit(current)),
+        ]
 
     def check_controls(self, page, name: str, views: int) -> int:
         moved = 0
@@ -323,11 +359,14 @@ class Checker:
         deadline = time.monotonic() + limit
         page.wait_for_timeout(150)
         while time.monotonic() < deadline:
-            watch = page.evaluate("() => ({since: (performance.now() - window.__mm3labWatch.last) / 1000,"
-                                  " changes: window.__mm3labWatch.changes})")
+            watch = page.evaluate(
+                "() => ({since: (performance.now() - window.__mm3labWatch.last) / 1000,"
+                " changes: window.__mm3labWatch.changes})"
+            )
             if watch["changes"] and watch["since"] >= quiet:
                 return
             page.wait_for_timeout(100)
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -350,8 +389,12 @@ def main(argv=None) -> int:
         try:
             with sync_playwright() as pw:
                 context = pw.chromium.launch_persistent_context(
-                    str(tmp / "chromium-profile"), executable_path=args.chromium, headless=True,
-                    args=CHROMIUM_FLAGS, viewport={"width": 1400, "height": 1000})
+                    str(tmp / "chromium-profile"),
+                    executable_path=args.chromium,
+                    headless=True,
+                    args=CHROMIUM_FLAGS,
+                    viewport={"width": 1400, "height": 1000},
+                )
                 checker = Checker(context, lab, args.settle, args.run_timeout)
                 failed = []
                 for nb in notebooks:
