@@ -319,3 +319,13 @@ def test_plan_demo_runs_the_plan_against_the_one_shot_call():
     assert "only a value changed): equal to msa_decode: True" in text
     assert "run 3 (two rows instead of one): ValueError" in text
     assert "graph=True" in text.splitlines()[-1]
+
+
+def test_grid_heatmap_draws_the_whole_step_not_its_stages():
+    def rec(stage, speedup):
+        shape = {"batch": 64, "context": 131072, "q_len": 1, "index_dtype": "fp8", "kv_dtype": "fp8", "stage": stage}
+        return {"name": "msa_decode_grid", "shape": shape, "mode": "graph", "ms": 1.0, "speedup": speedup}
+
+    results = {"meta": {"gpu": "GPU"}, "records": [rec("step", 4.3), rec("attention", 51.5)]}
+    texts = [t.get_text() for t in performance.plot_grid_heatmap(results).axes[0].texts]
+    assert texts == ["4.3x"]

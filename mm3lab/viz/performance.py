@@ -786,8 +786,9 @@ def plot_speedup_vs_context(results: dict) -> Figure | None:
 
 
 def plot_grid_heatmap(results: dict, name: str = "msa_decode_grid") -> Figure | None:
-    """Speedup over dense, batch x context, one panel per (index dtype, KV dtype, q_len), graph mode first."""
+    """Speedup of the whole step over dense SDPA, batch x context, a panel per (index dtype, KV dtype, q_len)."""
     recs = [r for r in records(results, name) if r.get("speedup") is not None]
+    recs = [r for r in recs if r["shape"].get("stage", "step") == "step"]  # the whole step, not its stages
     if not recs:
         return None
     modes = {mode_of(r) for r in recs}
