@@ -58,9 +58,12 @@ def _settle(control: widgets.Widget) -> widgets.Widget:
 
 
 def figure_png(fig: Figure) -> bytes:
-    """``fig`` as PNG bytes, at the figure's size (its constrained layout already fits the page)."""
+    """``fig`` as PNG bytes, at the figure's size (its constrained layout already fits the page).
+
+    zlib level 1: about 10% more bytes than the default level 6, at half its encoding time.
+    """
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format="png", pil_kwargs={"compress_level": 1})
     return buf.getvalue()
 
 
