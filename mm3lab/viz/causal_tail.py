@@ -183,6 +183,7 @@ def _draw_pages(ax, y: float, blk: list[int], table: list[int], p: int, stride: 
                 va="center",
                 fontsize=8 if page_id < 100 else 7,
                 color="black" if gid != "page-full" else "white",
+                in_layout=False,  # inside its cell: constrained layout need not measure it on every redraw
             )
     for slot, b in enumerate(plan.blocks):
         name = f"tail: block {b}" if b == plan.tail else f"block {b}"

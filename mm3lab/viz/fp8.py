@@ -152,8 +152,14 @@ def show_fp8_selection(
     print(f"top-{topk} recall (FP8 vs bf16): {cmp.recall(topk):.3f}")
     print(f"mass captured: bf16 {cmp.mass('bf16', topk):.3f}, FP8 {cmp.mass('fp8', topk):.3f}")
     print(differing_text(cmp, topk))
-    fig = Figure(figsize=(11.0, 4.0), layout="constrained")
-    left, right = fig.subplots(1, 2)
+    # fixed margins (inches; what constrained layout finds for these two panels): the widget redraws
+    # this figure on every move, and a layout engine would measure it in an extra pass each time
+    width, height, bottom, top = 11.0, 4.0, 0.48, 0.26
+    fig = Figure(figsize=(width, height))
+    left, right = (
+        fig.add_axes((x0 / width, bottom / height, 4.93 / width, (height - bottom - top) / height))
+        for x0 in (0.51, 6.03)
+    )
     mask = cmp.selection(dtype, topk).selected_mask()[head].numpy().astype(float)
     left.imshow(
         mask,
