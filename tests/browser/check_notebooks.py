@@ -115,6 +115,8 @@ class Lab:
             JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
             JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
             PYTHONUNBUFFERED="1",
+            # the notebooks run from copies outside the checkout: point 06 at the checkout's results
+            MM3LAB_RESULTS=os.environ.get("MM3LAB_RESULTS", str(root / "benchmarks" / "results")),
         )
         root = work
         env.pop("MPLBACKEND", None)  # the kernel uses the inline backend, as a reader's would
@@ -291,11 +293,11 @@ class Checker:
 
                 return go
 
-            # targets away from where the handle is now, so that a slider with few values really moves
+            # targets on the far side of the handle, then back past it, so that a slider with
+            # only two values (0 and 1) really moves both times
             box, hb = track.bounding_box(), handle.bounding_box()
             now = (hb["x"] + hb["width"] / 2 - box["x"]) / max(box["width"], 1.0)
-            first = next(f for f in (0.3, 0.8, 0.55) if abs(f - now) > 0.2)
-            second = 0.8 if first < 0.55 else 0.1
+            first, second = (0.9, 0.3) if now < 0.5 else (0.1, 0.7)
             return [(f"drag to {first:.0%}", drag(first)), (f"drag to {second:.0%}", drag(second))]
         if kind == "toggle":
             buttons = control.locator("button")
