@@ -40,7 +40,7 @@ def _cmd_tour(args) -> int:
                 sliced_poll=not args.stock_client,
             )
             print(repeat_report(tours))
-            return 0
+            return 1 if any(r.error for t in tours for r in t) else 0
         out = run_tour(notebooks_dir=notebooks, out_dir=Path(args.out), only=args.only, timeout=args.timeout)
     except TourError as e:
         print(f"tour failed: {e}", file=sys.stderr)

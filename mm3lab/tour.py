@@ -32,7 +32,9 @@ import base64
 import html
 import os
 import statistics
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty
@@ -136,6 +138,8 @@ class NotebookRun:
     cell_seconds: dict[int, float] = field(default_factory=dict)
     channel: str = ""
     """Class of the shell channel the notebook client used (``SlicedPollChannel`` unless stock)."""
+    error: str = ""
+    """Why the run failed (a :class:`TourError` message; only in a stress run, which goes on)."""
 
     @property
     def slowest_cell(self) -> tuple[int, float]:
@@ -148,6 +152,20 @@ def _what_to_do(path: Path, timeout: int) -> str:
         f"this machine, pass --timeout SECONDS (now {timeout}); if it recurs, report the output of "
         f"`python3 run.py tour --repeat 5 --only {path.stem}`"
     )
+
+
+def _where(current: dict) -> str:
+    if current["cell"] is None:
+        return "while starting the kernel"
+    return f"at cell {current['cell']} (waited {time.monotonic() - current['start']:.0f} s)"
+
+
+def _origin(e: BaseException) -> str:
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return "an unknown place"
+    f = frames[-1]
+    return f"{Path(f.filename).name}:{f.lineno} in {f.name}"
 
 
 def execute_notebook(path: Path, timeout: int = CELL_TIMEOUT_S, sliced_poll: bool = True):
@@ -189,13 +207,19 @@ def execute_notebook(path: Path, timeout: int = CELL_TIMEOUT_S, sliced_poll: boo
         client.execute()
     except CellExecutionError as e:
         raise TourError(f"{path.name}: cell {current['cell']} raised an error:\n{e}") from None
-    except (CellTimeoutError, DeadKernelError, AssertionError) as e:
-        # AssertionError: nbclient's timeout while waiting for the kernel's first reply
-        where = "while starting the kernel" if current["cell"] is None else f"at cell {current['cell']}"
-        waited = "" if current["cell"] is None else f" (waited {time.monotonic() - current['start']:.0f} s)"
+    except (CellTimeoutError, DeadKernelError) as e:
         reason = "the kernel died" if isinstance(e, DeadKernelError) else f"no reply within {timeout} s"
+        raise TourError(f"{path.name}: stopped {_where(current)}: {reason}. {_what_to_do(path, timeout)}") from None
+    except Exception as e:  # noqa: BLE001 (named, with where it was raised, and the traceback on stderr)
+        if isinstance(e, AssertionError) and current["cell"] is None:
+            # nbclient asserts when the kernel's first reply (kernel_info) does not come in time
+            raise TourError(
+                f"{path.name}: stopped {_where(current)}: no reply within {timeout} s. {_what_to_do(path, timeout)}"
+            ) from None
+        traceback.print_exception(e, file=sys.stderr)
         raise TourError(
-            f"{path.name}: stopped {where}{waited}: {reason} ({type(e).__name__}). {_what_to_do(path, timeout)}"
+            f"{path.name}: stopped {_where(current)}: the notebook client failed ({type(e).__name__}: {e}; "
+            f"raised at {_origin(e)}; traceback above). {_what_to_do(path, timeout)}"
         ) from None
     run.seconds = time.monotonic() - t0
     return nb, run
@@ -291,20 +315,32 @@ def repeat_tour(
     sliced_poll: bool = True,
     echo=print,
 ) -> list[list[NotebookRun]]:
-    """Execute the notebooks ``repeat`` times (no HTML); echo one line per tour; return the runs."""
+    """Execute the notebooks ``repeat`` times (no HTML); echo one line per tour; return the runs.
+
+    A notebook that fails is recorded (``NotebookRun.error``) and echoed, and the run goes on:
+    a stress run counts failures instead of stopping at the first.
+    """
     _, paths = _select(notebooks_dir, only)
     tours = []
     with _inline_backend():
         for i in range(repeat):
             t0 = time.monotonic()
-            runs = [execute_notebook(p, timeout=timeout, sliced_poll=sliced_poll)[1] for p in paths]
+            runs = []
+            for p in paths:
+                start = time.monotonic()
+                try:
+                    runs.append(execute_notebook(p, timeout=timeout, sliced_poll=sliced_poll)[1])
+                except TourError as e:  # recorded and reported; the stress run goes on
+                    runs.append(NotebookRun(p.stem, time.monotonic() - start, error=str(e)))
+                    echo(f"tour {i + 1}/{repeat}: FAILED: {e}")
             tours.append(runs)
             name, (cell, s) = max(((r.name, r.slowest_cell) for r in runs), key=lambda x: x[1][1])
+            failed = sum(bool(r.error) for t in tours for r in t)
             echo(
                 f"tour {i + 1}/{repeat}: {time.monotonic() - t0:.1f} s; longest cell {s:.1f} s ({name} cell {cell}); "
                 f"late wake-ups so far {SlicedPollChannel.late_wakeups}, "
                 f"replies waiting after a send {SlicedPollChannel.woken_after_send}; shell channel {runs[0].channel}; "
-                f"load {_load()}"
+                f"failed runs so far {failed}; load {_load()}"
             )
     return tours
 
@@ -337,4 +373,7 @@ def repeat_report(tours: list[list[NotebookRun]]) -> str:
         f"late wake-ups caught by the sliced poll: {SlicedPollChannel.late_wakeups}; "
         f"replies waiting after a send (woken at once): {SlicedPollChannel.woken_after_send}"
     )
+    failures = [(i + 1, r) for i, t in enumerate(tours) for r in t if r.error]
+    lines.append(f"failed notebook runs: {len(failures)} of {sum(len(t) for t in tours)}")
+    lines.extend(f"  tour {i}: {r.error}" for i, r in failures)
     return "\n".join(lines)

@@ -110,9 +110,23 @@ def select_for_sequence(
     req = torch.zeros_like(pos)
     index_q = seq.index_q[pos]
     scores = index_scores_prefill(index_q, cache, block_table, req, pos, init_blocks, local_blocks, forced=False)
-    forced = index_scores_prefill(index_q, cache, block_table, req, pos, init_blocks, local_blocks, forced=True)
+    forced = _force(scores.cpu(), pos.tolist(), nb, init_blocks, local_blocks)  # the same numbers as forced=True
     topk_idx = index_topk_prefill(index_q, cache, block_table, req, pos, topk, init_blocks, local_blocks)
-    return Selection(pos.cpu(), scores.cpu(), forced.cpu(), topk_idx.cpu(), topk, init_blocks, local_blocks)
+    return Selection(pos.cpu(), scores.cpu(), forced, topk_idx.cpu(), topk, init_blocks, local_blocks)
+
+
+def _force(scores: torch.Tensor, positions: list[int], table_width: int, init_blocks: int, local_blocks: int):
+    """SPEC 2's forcing on the raw scores ``[H, N, M]`` of rows at ``positions`` (host, row by row):
+    what ``index_scores_*(forced=True)`` returns, without a second scoring pass."""
+    from .reference import candidate_blocks, force_scores
+
+    forced = scores.clone()
+    for n, p in enumerate(positions):
+        valid = candidate_blocks(p, table_width=table_width)
+        for h in range(scores.shape[0]):
+            row = force_scores(scores[h, n, :valid].tolist(), init_blocks, local_blocks)
+            forced[h, n, :valid] = torch.tensor(row, dtype=scores.dtype)
+    return forced
 
 
 def full_attention(seq, positions: torch.Tensor, scale: float | None = None) -> torch.Tensor:
