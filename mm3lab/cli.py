@@ -27,7 +27,7 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_tour(args) -> int:
-    from .tour import TourError, repeat_report, repeat_tour, run_tour
+    from .tour import TourError, TourInterrupted, repeat_report, repeat_tour, run_tour
 
     notebooks = Path(args.notebooks) if args.notebooks else None
     try:
@@ -45,6 +45,9 @@ def _cmd_tour(args) -> int:
     except TourError as e:
         print(f"tour failed: {e}", file=sys.stderr)
         return 1
+    except TourInterrupted as e:
+        print(f"tour interrupted: {e}", file=sys.stderr)
+        return 130
     print(f"tour written to {out.resolve()} (open index.html)")
     return 0
 

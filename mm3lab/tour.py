@@ -23,7 +23,11 @@ The tour's client closes both gaps:
   other missed wake-up costs at most one slice (the bound).
 
 Every cell also has a timeout (:data:`CELL_TIMEOUT_S`, larger than the slowest cell), and a
-timeout stops the tour with the notebook, the cell and what to do (:class:`TourError`).
+timeout stops the tour with the notebook, the cell and what to do (:class:`TourError`). A
+failure of the notebook client itself is named with the place it was raised, never reported
+as a timeout. SIGINT or SIGTERM shuts the running kernel down (nbclient's answer) and stops
+the tour (:class:`TourInterrupted`); without that, nbclient's answer looks like a kernel
+that died mid-cell and a stress run would go on.
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ POLL_SLICE_S = 0.5
 
 class TourError(RuntimeError):
     """A notebook of the tour failed or timed out; the message names the notebook and cell."""
+
+
+class TourInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived while a notebook ran: its kernel was shut down and the tour stops."""
 
 
 def find_notebooks_dir() -> Path:
@@ -154,6 +162,40 @@ def _what_to_do(path: Path, timeout: int) -> str:
     )
 
 
+def _client_class():
+    """nbclient's ``NotebookClient`` that remembers a SIGINT / SIGTERM.
+
+    nbclient answers those signals by shutting the kernel down and does not stop: the cell
+    then fails as if the kernel had died. The tour records the signal (``client.interrupted``),
+    shuts the kernel down the same way, and stops instead of going on to the next notebook.
+    """
+    import asyncio
+    import atexit
+    import contextlib
+    import signal
+
+    from nbclient import NotebookClient
+
+    class TourNotebookClient(NotebookClient):
+        interrupted = ""
+
+        @contextlib.asynccontextmanager
+        async def async_setup_kernel(self, **kwargs):
+            async with super().async_setup_kernel(**kwargs):
+                loop = asyncio.get_event_loop()
+                with contextlib.suppress(NotImplementedError, RuntimeError):  # no signals here: nothing to record
+                    for sig in (signal.SIGINT, signal.SIGTERM):
+                        loop.add_signal_handler(sig, self._on_signal, sig)
+                yield
+
+        def _on_signal(self, sig) -> None:
+            self.interrupted = signal.Signals(sig).name
+            self._async_cleanup_kernel_future = asyncio.ensure_future(self._async_cleanup_kernel())
+            atexit.unregister(self._cleanup_kernel)
+
+    return TourNotebookClient
+
+
 def _where(current: dict) -> str:
     if current["cell"] is None:
         return "while starting the kernel"
@@ -175,8 +217,6 @@ def execute_notebook(path: Path, timeout: int = CELL_TIMEOUT_S, sliced_poll: boo
     or the kernel dies. ``sliced_poll=False`` uses the stock client (for comparison only).
     """
     import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     nb = nbformat.read(path, as_version=4)
     run = NotebookRun(path.stem, 0.0)
@@ -191,7 +231,7 @@ def execute_notebook(path: Path, timeout: int = CELL_TIMEOUT_S, sliced_poll: boo
         run.cell_seconds[cell_index] = time.monotonic() - current["start"]
 
     extra = {"kernel_manager_class": TourKernelManager} if sliced_poll else {}
-    client = NotebookClient(
+    client = _client_class()(
         nb,
         timeout=timeout,
         iopub_timeout=IOPUB_TIMEOUT_S,
@@ -205,24 +245,39 @@ def execute_notebook(path: Path, timeout: int = CELL_TIMEOUT_S, sliced_poll: boo
     t0 = time.monotonic()
     try:
         client.execute()
-    except CellExecutionError as e:
-        raise TourError(f"{path.name}: cell {current['cell']} raised an error:\n{e}") from None
-    except (CellTimeoutError, DeadKernelError) as e:
-        reason = "the kernel died" if isinstance(e, DeadKernelError) else f"no reply within {timeout} s"
-        raise TourError(f"{path.name}: stopped {_where(current)}: {reason}. {_what_to_do(path, timeout)}") from None
-    except Exception as e:  # noqa: BLE001 (named, with where it was raised, and the traceback on stderr)
-        if isinstance(e, AssertionError) and current["cell"] is None:
-            # nbclient asserts when the kernel's first reply (kernel_info) does not come in time
-            raise TourError(
-                f"{path.name}: stopped {_where(current)}: no reply within {timeout} s. {_what_to_do(path, timeout)}"
+        if client.interrupted:
+            raise KeyboardInterrupt
+    except (Exception, KeyboardInterrupt) as e:
+        if client.interrupted:  # whatever the kernel's shutdown made the client raise
+            raise TourInterrupted(
+                f"{path.name}: {client.interrupted} {_where(current)}: the kernel was shut down and the tour stops"
             ) from None
-        traceback.print_exception(e, file=sys.stderr)
-        raise TourError(
-            f"{path.name}: stopped {_where(current)}: the notebook client failed ({type(e).__name__}: {e}; "
-            f"raised at {_origin(e)}; traceback above). {_what_to_do(path, timeout)}"
-        ) from None
+        _raise_tour_error(e, path, current, timeout)
     run.seconds = time.monotonic() - t0
     return nb, run
+
+
+def _raise_tour_error(e: BaseException, path: Path, current: dict, timeout: int):
+    """Raise the :class:`TourError` that says what stopped the notebook (``e`` itself if it is not an error)."""
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    if not isinstance(e, Exception):
+        raise e
+    if isinstance(e, CellExecutionError):
+        raise TourError(f"{path.name}: cell {current['cell']} raised an error:\n{e}") from None
+    if isinstance(e, (CellTimeoutError, DeadKernelError)):
+        reason = "the kernel died" if isinstance(e, DeadKernelError) else f"no reply within {timeout} s"
+        raise TourError(f"{path.name}: stopped {_where(current)}: {reason}. {_what_to_do(path, timeout)}") from None
+    if isinstance(e, AssertionError) and current["cell"] is None:
+        # nbclient asserts when the kernel's first reply (kernel_info) does not come in time
+        raise TourError(
+            f"{path.name}: stopped {_where(current)}: no reply within {timeout} s. {_what_to_do(path, timeout)}"
+        ) from None
+    traceback.print_exception(e, file=sys.stderr)
+    raise TourError(
+        f"{path.name}: stopped {_where(current)}: the notebook client failed ({type(e).__name__}: {e}; "
+        f"raised at {_origin(e)}; traceback above). {_what_to_do(path, timeout)}"
+    ) from None
 
 
 def _figures(nb) -> list[tuple[str, bytes]]:
@@ -333,6 +388,10 @@ def repeat_tour(
                 except TourError as e:  # recorded and reported; the stress run goes on
                     runs.append(NotebookRun(p.stem, time.monotonic() - start, error=str(e)))
                     echo(f"tour {i + 1}/{repeat}: FAILED: {e}")
+                except TourInterrupted:  # the tours so far, then stop
+                    if tours:
+                        echo(repeat_report(tours))
+                    raise
             tours.append(runs)
             name, (cell, s) = max(((r.name, r.slowest_cell) for r in runs), key=lambda x: x[1][1])
             failed = sum(bool(r.error) for t in tours for r in t)

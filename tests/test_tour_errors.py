@@ -59,3 +59,21 @@ def test_a_stress_run_records_a_failed_notebook_and_goes_on(tmp_path, monkeypatc
     assert "failed notebook runs: 2 of 4" in report and "RuntimeError: lost" in report
     code = cli.main(["tour", "--notebooks", str(nb_dir), "--repeat", "1"])
     assert code == 1 and "failed notebook runs: 1 of 2" in capsys.readouterr().out
+
+
+def test_sigterm_during_a_cell_stops_the_tour_and_names_the_signal(tmp_path):
+    import os
+    import signal
+    import threading
+
+    from mm3lab.tour import TourInterrupted
+
+    _notebook(tmp_path / "nb", "05_long.ipynb", "x = 1", "import time\ntime.sleep(20)")
+    timer = threading.Timer(6.0, os.kill, (os.getpid(), signal.SIGTERM))  # while cell 1 sleeps
+    timer.start()
+    try:
+        with pytest.raises(TourInterrupted) as err:
+            repeat_tour(3, notebooks_dir=tmp_path / "nb", echo=lambda line: None)
+    finally:
+        timer.cancel()
+    assert "05_long.ipynb: SIGTERM at cell 1" in str(err.value) and "the tour stops" in str(err.value)
