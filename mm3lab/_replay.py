@@ -1,0 +1,186 @@
+"""Recorded launches: an eager plan run that skips Triton's per-launch argument binding.
+
+Each ``kernel[grid](...)`` launch costs host time before the GPU sees it: Triton binds
+the arguments, works out their specialization (is a pointer 16-byte aligned, is an
+integer 1 or a multiple of 16), looks the compiled kernel up and only then calls the
+launcher. On an H200 host that is 17 us for a kernel of one argument and about 1 us more
+per tensor argument; an MSA step is seven launches of 20 to 45 arguments, so binding
+costs more than the step's kernels at small batch.
+
+A plan's launches are the same every step: the same kernels, grids, buffers and caches,
+and inputs of the planned shapes. So the first eager run of a plan is recorded (each
+launch's compiled kernel, grid and bound arguments), and later runs call the compiled
+kernels' launchers directly, with the step's input tensors put in place of the recorded
+ones. A recording is used only while everything it depends on is unchanged, else the run
+records anew (the normal launch path):
+
+* every input has the recorded strides and the recorded 16-byte alignment (Triton
+  specializes on both), and every cache and scale is the recorded tensor (same address,
+  shape and strides);
+* a launch argument is either an input itself, or does not touch an input's memory (a
+  view of an input inside a launch would go stale: such a plan is never replayed);
+* no Triton launch hook is set (profilers), and the Triton version is one whose launcher
+  this module was verified on (:data:`VERIFIED_TRITON`); on others plans launch normally.
+
+The replayed launches are the recorded ones exactly, in order, on the current stream, so
+results are bit-identical to the normal path (``tests/test_plan_replay.py`` checks this on
+the GPU). Set :data:`ENABLED` to ``False`` to turn recording off (benchmarks compare both).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from . import backend
+
+ENABLED = True
+"""Record and replay eager plan runs (where :func:`supported`); ``False``: always launch normally."""
+
+VERIFIED_TRITON = ("3.6.",)
+"""Triton versions (prefixes) whose launcher call this module was verified against."""
+
+_local = threading.local()
+
+
+def supported() -> bool:
+    """Recording applies: enabled, compiled kernels on a GPU, a verified Triton."""
+    if not ENABLED or backend.INTERPRETER or not torch.cuda.is_available():
+        return False
+    import triton
+
+    return triton.__version__.startswith(VERIFIED_TRITON)
+
+
+def _inputs_meta(inputs: dict) -> dict:
+    return {name: (t.stride(), t.data_ptr() % 16 == 0) for name, t in inputs.items()}
+
+
+def _caches_meta(caches) -> tuple:
+    return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride()) for t in caches)
+
+
+class _Launch:
+    __slots__ = ("kernel", "grid", "values", "subs")
+
+    def __init__(self, kernel, grid, values, subs):
+        self.kernel, self.grid, self.values, self.subs = kernel, grid, values, subs
+
+
+class Recording:
+    """The launches of one eager run, and what they depend on (see the module doc)."""
+
+    def __init__(self, inputs: dict, caches):
+        self.inputs_meta = _inputs_meta(inputs)
+        self.caches_meta = _caches_meta(caches)
+        self._inputs = inputs
+        self._spans = {name: _span(t) for name, t in inputs.items()}
+        self.launches: list[_Launch] = []
+        self.ok = True
+        self.reason = ""
+        self.replays = 0
+
+    def _add(self, fn, args, kwargs, grid, kernel) -> None:
+        from triton import knobs
+        from triton.runtime.driver import driver
+
+        if hasattr(kernel, "result"):
+            kernel = kernel.result()
+        kw = dict(kwargs)
+        kw["debug"] = kw.get("debug", fn.debug) or knobs.runtime.debug
+        kw["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        binder = fn.device_caches[driver.active.get_current_device()][4]
+        bound_args = binder(*args, **kw)[0]
+        if callable(grid):
+            grid = grid(bound_args)
+        grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        values = list(bound_args.values())
+        subs = []
+        for pos, value in enumerate(values):
+            if not isinstance(value, torch.Tensor):
+                continue
+            name = next((n for n, t in self._inputs.items() if t is value), None)
+            if name is not None:
+                subs.append((pos, name))
+            else:
+                inside = [n for n, span in self._spans.items() if _overlap(_span(value), span)]
+                if inside:  # a view of an input: it would go stale
+                    self.ok = False
+                    self.reason = f"{fn.__name__} argument {pos} is a view of the input {inside[0]}"
+        self.launches.append(_Launch(kernel, grid, values, tuple(subs)))
+
+    def matches(self, inputs: dict, caches) -> bool:
+        return self.ok and _caches_meta(caches) == self.caches_meta and _inputs_meta(inputs) == self.inputs_meta
+
+    def replay(self, inputs: dict, device: torch.device) -> None:
+        """The recorded launches with ``inputs`` in place (the caller checked :meth:`matches`)."""
+        from triton import knobs
+        from triton.runtime.driver import driver
+
+        self.replays += 1
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = driver.active.get_current_stream(index)
+        for launch in self.launches:
+            values = launch.values
+            for pos, name in launch.subs:
+                values[pos] = inputs[name]
+            kernel, (g0, g1, g2) = launch.kernel, launch.grid
+            meta = None if _idle(enter) else kernel.launch_metadata(launch.grid, stream, *values)
+            kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *values)
+
+
+def record(launch, inputs: dict, caches) -> Recording | None:
+    """Run ``launch()`` (the normal launches) while recording them; ``None`` if this run cannot be replayed."""
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+
+    if not (_idle(knobs.runtime.launch_enter_hook) and _idle(knobs.runtime.launch_exit_hook)):
+        launch()  # a profiler's hooks want Triton's own launch path
+        return None
+    rec = Recording(inputs, caches)
+    original = JITFunction.run
+    owner = threading.get_ident()
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernel = original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        if not warmup and threading.get_ident() == owner and getattr(_local, "recording", None) is rec:
+            rec._add(self, args, kwargs, grid, kernel)
+        return kernel
+
+    _local.recording = rec
+    JITFunction.run = run
+    try:
+        launch()
+    finally:
+        JITFunction.run = original
+        _local.recording = None
+    rec._inputs = None
+    global last_reason
+    last_reason = rec.reason if not rec.ok else ("" if rec.launches else "no launches seen")
+    return rec if rec.ok and rec.launches else None
+
+
+last_reason = ""
+"""Why the last :func:`record` gave no recording (empty when it gave one)."""
+
+
+def _idle(hook) -> bool:
+    """A launch hook that does nothing: ``None`` or an empty chain (Triton 3.6 keeps a chain, empty by default)."""
+    return hook is None or not getattr(hook, "calls", True)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.data_ptr()
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
+    return (start, start + extent * t.element_size())
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+__all__ = ["ENABLED", "VERIFIED_TRITON", "Recording", "record", "supported"]

@@ -1,0 +1,138 @@
+"""Recorded launches (``mm3lab._replay``): an eager plan's later runs call the recorded kernels
+directly, bit-identical to launching them normally, and record anew whenever an input's strides
+or alignment, or a cache, changes. GPU only: the interpreter has no compiled launchers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mm3lab
+from mm3lab import _replay
+from mm3lab.msa import synthetic_layer
+
+pytestmark = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _layer(batch=2, context=700, dql=1, seed=0):
+    return synthetic_layer(
+        context,
+        batch=batch,
+        num_kv_heads=2,
+        group_size=4,
+        head_dim=64,
+        index_dim=64,
+        decode_query_len=dql,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=seed,
+    )
+
+
+def _twin_caches(layer):
+    kv = layer.cache.kv.clone()
+    k, v = mm3lab.page16_views(kv)
+    return kv, k, v, layer.index_cache.clone()
+
+
+def _plan(k, v, ic, layer):
+    return mm3lab.MSADecodePlan(
+        k,
+        v,
+        ic,
+        batch=layer.block_table.shape[0],
+        max_blocks=layer.block_table.shape[1],
+        num_q_heads=layer.q.shape[1],
+        decode_query_len=layer.decode_query_len,
+        topk=4,
+    )
+
+
+def _inputs(layer, step, how="plain"):
+    g = torch.Generator(device="cuda").manual_seed(100 + step)
+    shapes = [t.shape for t in (layer.q, layer.key, layer.value, layer.index_q, layer.index_k)]
+    out = []
+    for shape in shapes:
+        if how == "strided":  # the last dim contiguous, the others not: new strides
+            t = torch.randn(*shape[:-1], 2 * shape[-1], generator=g, device="cuda").to(torch.bfloat16)[..., : shape[-1]]
+        elif how == "misaligned":  # 2 bytes past a 16-byte boundary: a new alignment
+            flat = torch.randn(torch.Size(shape).numel() + 1, generator=g, device="cuda").to(torch.bfloat16)
+            t = flat[1:].view(shape)
+        else:
+            t = torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+        out.append(t)
+    return out
+
+
+@needs_gpu
+@pytest.mark.parametrize("dql", [1, 3])
+def test_replayed_runs_equal_normal_launches_and_rerecord_on_new_strides_alignment_or_cache(dql):
+    assert _replay.supported(), "recorded launches are verified for this Triton; the test expects them on"
+    layer = _layer(dql=dql)
+    kv_a, ka, va, ica = _twin_caches(layer)
+    kv_b, kb, vb, icb = _twin_caches(layer)
+    plan_a, plan_b = _plan(ka, va, ica, layer), _plan(kb, vb, icb, layer)
+    steps = ["plain", "plain", "plain", "strided", "strided", "misaligned", "misaligned", "plain"]
+    records = []
+    for step, how in enumerate(steps):
+        x = _inputs(layer, step, how)
+        got = plan_a.run(*x, ka, va, ica, layer.block_table, layer.seq_lens).clone()
+        records.append(plan_a._recording)
+        _replay.ENABLED = False
+        try:
+            want = plan_b.run(*x, kb, vb, icb, layer.block_table, layer.seq_lens).clone()
+        finally:
+            _replay.ENABLED = True
+        assert plan_b._recording is None
+        assert torch.equal(got, want), (step, how)
+        assert torch.equal(kv_a, kv_b) and torch.equal(ica, icb), (step, how)  # the same cache writes
+    # one recording per kind of input, replayed while the kind stays
+    assert records[0] is records[1] is records[2] and records[3] is records[4] and records[5] is records[6]
+    assert len({id(r) for r in records}) == 4 and records[0].replays == 2 and records[3].replays == 1
+    assert len(records[0].launches) >= 6  # rows and slots, two inserts, scores, top-k + table, attention
+    # a different cache (same shape) is a new recording, and still the same answer
+    kv_c, kc, vc, icc = _twin_caches(layer)
+    kv_c.copy_(kv_a)
+    icc.copy_(ica)
+    x = _inputs(layer, 99)
+    got = plan_a.run(*x, kc, vc, icc, layer.block_table, layer.seq_lens).clone()
+    assert plan_a._recording is not records[-1]
+    want = plan_b.run(*x, kb, vb, icb, layer.block_table, layer.seq_lens)
+    assert torch.equal(got, want)
+
+
+@needs_gpu
+def test_prefill_plan_replays_with_new_rows():
+    layer = _layer(batch=2, context=700)
+    n = 6
+    kv_a, ka, va, ica = _twin_caches(layer)
+    kv_b, kb, vb, icb = _twin_caches(layer)
+    plans = [
+        mm3lab.MSAPrefillPlan(
+            k, v, ic, num_tokens=n, batch=2, max_blocks=layer.block_table.shape[1], num_q_heads=8, topk=4
+        )
+        for k, v, ic in ((ka, va, ica), (kb, vb, icb))
+    ]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for step in range(4):
+        req = torch.randint(0, 2, (n,), generator=g, device="cuda", dtype=torch.int32)
+        pos = torch.randint(-1, 700, (n,), generator=g, device="cuda", dtype=torch.int32)
+        x = [
+            torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+            for shape in ((n, 8, 64), (n, 2, 64), (n, 2, 64), (n, 2, 64), (n, 64))
+        ]
+        got = plans[0].run(*x, ka, va, ica, layer.block_table, req, pos).clone()
+        _replay.ENABLED = False
+        try:
+            want = plans[1].run(*x, kb, vb, icb, layer.block_table, req, pos)
+        finally:
+            _replay.ENABLED = True
+        assert torch.equal(got, want), step
+        assert torch.equal(kv_a, kv_b) and torch.equal(ica, icb), step
+    assert plans[0]._recording is not None and plans[0]._recording.replays == 3
+
+
+def test_no_recording_where_kernels_are_interpreted():
+    if mm3lab.backend.INTERPRETER:
+        assert not _replay.supported()
