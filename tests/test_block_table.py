@@ -19,16 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mm3lab
-from mm3lab import reference
-from mm3lab.block_table import (
-    attended_ranges,
+from mm3lab import (
     attended_tokens,
     build_sparse_block_table_decode,
     build_sparse_block_table_prefill,
-    decode_positions,
     plan_sparse_row,
-    sparse_block_table_row,
+    reference,
 )
+from mm3lab.block_table import attended_ranges, decode_positions, sparse_block_table_row
 from mm3lab.block_table.kernel import emit_sparse_block_table_row
 from mm3lab.compat import vllm
 from mm3lab.constants import PAGES_PER_SPARSE_BLOCK as PAGES
@@ -417,25 +415,23 @@ def _on(device, changes):
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in changes.items()}
 
 
-@pytest.mark.parametrize("changes,error,match", DECODE_BAD)
-def test_decode_rejects_bad_input(device, changes, error, match, monkeypatch):
+STEPS = {  # step: (its good arguments, its entry point and reference twin)
+    "decode": (_decode_args, build_sparse_block_table_decode, reference.build_sparse_block_table_decode),
+    "prefill": (_prefill_args, build_sparse_block_table_prefill, reference.build_sparse_block_table_prefill),
+}
+
+
+@pytest.mark.parametrize(
+    "step,changes,error,match", [("decode", *bad) for bad in DECODE_BAD] + [("prefill", *bad) for bad in PREFILL_BAD]
+)
+def test_bad_input_raises_and_leaves_out_untouched(device, step, changes, error, match, monkeypatch):
     _forbid_kernels(monkeypatch)
-    args = {**_decode_args(device), **_on(device, changes)}
-    for entry in (build_sparse_block_table_decode, reference.build_sparse_block_table_decode):
+    good_args, *entries = STEPS[step]
+    args = {**good_args(device), **_on(device, changes)}
+    for entry in entries:
         out = poisoned_out(1, 2, 2, device)
         with pytest.raises(error, match=match):
             entry(**args, out=out) if args["topk_idx"].dim() == 3 else entry(**args)
-        assert out[0].eq(GARBAGE_INT).all() and out[1].eq(GARBAGE_INT).all()
-
-
-@pytest.mark.parametrize("changes,error,match", PREFILL_BAD)
-def test_prefill_rejects_bad_input(device, changes, error, match, monkeypatch):
-    _forbid_kernels(monkeypatch)
-    args = {**_prefill_args(device), **_on(device, changes)}
-    for entry in (build_sparse_block_table_prefill, reference.build_sparse_block_table_prefill):
-        out = poisoned_out(1, 2, 2, device)
-        with pytest.raises(error, match=match):
-            entry(**args, out=out)
         assert out[0].eq(GARBAGE_INT).all() and out[1].eq(GARBAGE_INT).all()
 
 
