@@ -244,13 +244,14 @@ def shape_cases(device, layout, mode, dql, shape):
         yield make_case(device, layout, mode, shape, dtype=dtype, seed=seed, dql=dql or 1, rows=6, pad_rows=1)
 
 
-def shape_id(shape) -> str:
-    return "-".join(map(str, shape))
+def over_shapes(test):
+    """Parametrize ``test(device, layout, mode, dql, shape)`` over both layouts, :data:`MODES` and :data:`SHAPES`."""
+    test = pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: "-".join(map(str, shape)))(test)
+    test = pytest.mark.parametrize("mode,dql", MODES, ids=["decode", "spec_decode", "prefill"])(test)
+    return pytest.mark.parametrize("layout", ["dense", "packed"])(test)
 
 
-@pytest.mark.parametrize("layout", ["dense", "packed"])
-@pytest.mark.parametrize("mode,dql", MODES, ids=["decode", "spec_decode", "prefill"])
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@over_shapes
 def test_kernel_matches_references(device, layout, mode, dql, shape):
     for case in shape_cases(device, layout, mode, dql, shape):
         attention_every_path(case)
@@ -324,23 +325,18 @@ def cases(draw, device):
     seq_lens = draw(st.lists(st.integers(0, 420), min_size=b, max_size=b))
     if mode == "prefill" and sum(seq_lens) == 0:
         seq_lens[0] = 1
-    topk = draw(st.integers(1, 4))
-    dql = draw(st.integers(2, 4)) if mode == "spec_decode" else 1
-    seed = draw(st.integers(0, 2**16))
-    mode = "decode" if mode != "prefill" else "prefill"
-    pad_rows = draw(st.integers(0, 1))
     return make_case(
         device,
         layout,
-        mode,
+        "prefill" if mode == "prefill" else "decode",
         (hkv, group, d),
         seq_lens=seq_lens,
-        topk=topk,
-        seed=seed,
+        topk=draw(st.integers(1, 4)),
+        dql=draw(st.integers(2, 4)) if mode == "spec_decode" else 1,
+        seed=draw(st.integers(0, 2**16)),
+        pad_rows=draw(st.integers(0, 1)),
         dtype=dtype,
-        dql=dql,
         rows=4,
-        pad_rows=pad_rows,
     )
 
 

@@ -18,17 +18,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_attention import (
-    MODES,
-    SHAPES,
     TOLERANCE,
     Case,
     assert_lse_close,
     dtypes_for,
+    over_shapes,
     poisoned_launch,
     run_dense,
     run_reference,
     shape_cases,
-    shape_id,
     with_rows,
     write_sequences,
 )
@@ -111,9 +109,7 @@ def make_chunk_case(
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["dense", "packed"])
-@pytest.mark.parametrize("mode,dql", MODES, ids=["decode", "spec_decode", "prefill"])
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@over_shapes
 def test_tiled_matches_references(device, layout, mode, dql, shape):
     for case in shape_cases(device, layout, mode, dql, shape):
         check_tiled(case)

@@ -290,6 +290,11 @@ def _v(name, values, dtype=torch.int32):
     return _set(name, _t(values, dtype))
 
 
+def _zeros(name, *shape):
+    """Spoil: argument ``name`` becomes ``torch.zeros(shape)`` (float32) on the device."""
+    return _set(name, lambda t, d: torch.zeros(*shape, device=d))
+
+
 def _nan(t, d):
     return torch.full_like(t, float("nan"))
 
@@ -380,20 +385,8 @@ for entry in MSA:
         Case(entry, "index_k-short", _set("index_k", lambda t, d: t[:1]), ValueError, "index_k"),
         Case(entry, "index_k-dim", _set("index_k", lambda t, d: t[:, :8]), ValueError, "index_k"),
         Case(entry, "index_q-heads", _set("index_q", lambda t, d: t.expand(2, 2, 16)), ValueError, "index_q"),
-        Case(
-            entry,
-            "index_cache-bigger",
-            _set("index_cache", lambda t, d: torch.zeros(7, 128, 16, device=d)),
-            ValueError,
-            "index_cache",
-        ),
-        Case(
-            entry,
-            "index_cache-smaller",
-            _set("index_cache", lambda t, d: torch.zeros(5, 128, 16, device=d)),
-            ValueError,
-            "index_cache",
-        ),
+        Case(entry, "index_cache-bigger", _zeros("index_cache", 7, 128, 16), ValueError, "index_cache"),
+        Case(entry, "index_cache-smaller", _zeros("index_cache", 5, 128, 16), ValueError, "index_cache"),
         Case(entry, "index_cache-dtype", _set("index_cache", lambda t, d: t.half()), TypeError, "index_q"),
         Case(
             entry, "index_q-nan-ok-but-topk-None", _set("topk", lambda v, d: None), TypeError, "topk", nan_caches=True
@@ -538,28 +531,10 @@ HAND += [
     Case("topk_blocks", "scores-int", _set("scores", lambda t, d: t.long()), TypeError, "scores"),
     Case("topk_blocks", "scores-0d", _set("scores", lambda t, d: t[0, 0]), ValueError, "scores"),
     Case("reference.topk_blocks", "topk-huge", _set("topk", lambda v, d: 2**40), ValueError, "topk"),
-    Case(
-        "sides_are_packed",
-        "page-size",
-        _set("v_cache", lambda t, d: torch.zeros(48, 8, 1, 16, device=d)),
-        ValueError,
-        "v_cache",
-    ),
+    Case("sides_are_packed", "page-size", _zeros("v_cache", 48, 8, 1, 16), ValueError, "v_cache"),
     Case("sides_are_packed", "dtype", _set("v_cache", lambda t, d: t.half()), TypeError, "v_cache"),
-    Case(
-        "sides_are_packed",
-        "heads",
-        _set("v_cache", lambda t, d: torch.zeros(48, 16, 2, 16, device=d)),
-        ValueError,
-        "v_cache",
-    ),
-    Case(
-        "sparse_block_page_stride",
-        "pages-40-48",
-        _set("k_cache", lambda t, d: torch.zeros(40, 16, 1, 16, device=d)),
-        ValueError,
-        "k_cache",
-    ),
+    Case("sides_are_packed", "heads", _zeros("v_cache", 48, 16, 2, 16), ValueError, "v_cache"),
+    Case("sparse_block_page_stride", "pages-40-48", _zeros("k_cache", 40, 16, 1, 16), ValueError, "k_cache"),
     Case("sparse_block_page_stride", "int-cache", _set("k_cache", lambda t, d: t.int()), TypeError, "k_cache"),
     Case("insert_index_cache", "slot-past", _set("query_abs_pos", _t([0, 6 * 128])), ValueError, "slot_mapping"),
     Case(
