@@ -3,7 +3,7 @@
 Integer outputs (block tables, top-k ids, context lengths) are compared
 exactly; float outputs by relative error against a reference, with the
 tolerance stated by the caller. Failures print the mismatching elements, not
-only ``False``.
+only ``False``. Last, a small synthetic MSA layer and the sizes of a plan for it.
 """
 
 from __future__ import annotations

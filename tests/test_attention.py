@@ -132,7 +132,7 @@ def make_case(
     """A seeded case; ``shape`` is ``(Hkv, group size, head dim)``.
 
     ``mode``: ``"decode"`` (the last ``dql`` positions of each request) or ``"prefill"`` (``rows`` random
-    positions, all when None), then ``pad_rows`` padded rows (position -1).
+    positions, all when None, then ``pad_rows`` padded rows at position -1).
     """
     hkv, group, d = shape
     g = torch.Generator().manual_seed(seed)
