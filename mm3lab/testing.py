@@ -3,7 +3,7 @@
 Integer outputs (block tables, top-k ids, context lengths) are compared
 exactly; float outputs by relative error against a reference, with the
 tolerance stated by the caller. Failures print the mismatching elements, not
-only ``False``.
+only ``False``. Last, a small synthetic MSA layer and the sizes of a plan for it.
 """
 
 from __future__ import annotations
@@ -144,3 +144,24 @@ def assert_paths_agree(got: dict, name: str = "output", *, against: str = "refer
     for path, value in got.items():
         if path != against:
             assert_same(value, got[against], f"{name}: {path} vs {against}", **tolerance)
+
+
+def small_msa_layer(device="cpu", *, context: int = 300, dql: int = 1, **options):
+    """A :func:`mm3lab.msa.synthetic_layer` small enough for interpreted kernels.
+
+    Float32, 2 requests of about ``context`` tokens, 2 KV heads of 2 query heads each, head dim
+    and index dim 16, ``dql`` query tokens per request; ``options`` override any of its keywords.
+    """
+    from .msa import synthetic_layer
+
+    shape = dict(batch=2, num_kv_heads=2, group_size=2, head_dim=16, index_dim=16, dtype=torch.float32)
+    return synthetic_layer(context, decode_query_len=dql, device=device, **{**shape, **options})
+
+
+def plan_sizes(layer) -> dict:
+    """``batch``, ``max_blocks`` and ``num_q_heads`` of a plan for a synthetic ``layer``."""
+    return {
+        "batch": layer.block_table.shape[0],
+        "max_blocks": layer.block_table.shape[1],
+        "num_q_heads": layer.q.shape[1],
+    }

@@ -45,3 +45,15 @@ def device(request) -> str:
 def kernel_backend():
     """The backend whose kernels run on this machine: 'triton' on a GPU, 'interpret' without."""
     return "interpret" if mm3lab.backend.INTERPRETER else "triton"
+
+
+@pytest.fixture
+def draw_widget():
+    """``draw_widget(w)`` draws widget ``w`` (``w.update()``) and returns its labelled controls by
+    description and the figure it drew."""
+
+    def draw(w):
+        w.update()
+        return {c.description: c for c in w.children if getattr(c, "description", "")}, w.result
+
+    return draw

@@ -60,6 +60,11 @@ class Case:
     sparse_bt: torch.Tensor  # [Hkv, N, topk * 8]
     sparse_ctx: torch.Tensor  # [Hkv, N]
 
+    @property
+    def args(self) -> tuple:
+        """The positional arguments of ``sparse_attention``: ``(q, k_cache, v_cache, sparse_bt, sparse_ctx)``."""
+        return self.q, self.cache.k_cache, self.cache.v_cache, self.sparse_bt, self.sparse_ctx
+
 
 def build_table(topk_idx, block_table, query_req_id, query_abs_pos, stride):
     """The sparse block table of SPEC section 3, row by row."""
@@ -68,11 +73,12 @@ def build_table(topk_idx, block_table, query_req_id, query_abs_pos, stride):
     )
 
 
-def make_case(
-    *, layout, mode, hkv, group, d, dtype, device, seq_lens, topk, seed, dql=1, rows=None, pad_rows=0
-) -> Case:
-    """A seeded case. ``mode``: ``"decode"`` (the last ``dql`` positions of each request) or ``"prefill"``."""
-    g = torch.Generator().manual_seed(seed)
+def write_sequences(device, layout, shape, seq_lens, dtype, g):
+    """Random whole sequences of the requests, written into a NaN-filled paged cache.
+
+    ``shape`` is ``(Hkv, group size, head dim)``. Returns ``(key, value, cache, block_table)`` on ``device``.
+    """
+    hkv, _, d = shape
     b = len(seq_lens)
     s_max = max(max(seq_lens), 1)
     m = math.ceil(s_max / SPARSE_BLOCK_SIZE)
@@ -92,6 +98,45 @@ def make_case(
                 cache.v_cache,
                 slots.to(device),
             )
+    return key.to(device), value.to(device), cache, block_table.to(device)
+
+
+def with_rows(sequences, seq_lens, q, topk_idx, req, pos) -> Case:
+    """The case of query rows ``(req, pos)`` over :func:`write_sequences`' output, with its sparse block table."""
+    key, value, cache, block_table = sequences
+    req, pos = req.to(torch.int32), pos.to(torch.int32)
+    sparse_bt, sparse_ctx = build_table(topk_idx, block_table.cpu(), req, pos, cache.block_page_stride)
+    device = cache.kv.device
+    q, *rows = (t.to(device) for t in (q, topk_idx, req, pos, sparse_bt, sparse_ctx))
+    return Case(q, key, value, cache, block_table, torch.tensor(seq_lens, device=device), *rows)
+
+
+STANDARD_SEQ_LENS = (300, 1, 141)
+"""Three requests: one ending mid-page in its third block, a single token, one ending mid-page in its second."""
+
+
+def make_case(
+    device,
+    layout,
+    mode,
+    shape,
+    *,
+    seq_lens=STANDARD_SEQ_LENS,
+    topk=3,
+    seed=0,
+    dtype=torch.float32,
+    dql=1,
+    rows=None,
+    pad_rows=0,
+) -> Case:
+    """A seeded case; ``shape`` is ``(Hkv, group size, head dim)``.
+
+    ``mode``: ``"decode"`` (the last ``dql`` positions of each request) or ``"prefill"`` (``rows`` random
+    positions, all when None, then ``pad_rows`` padded rows at position -1).
+    """
+    hkv, group, d = shape
+    g = torch.Generator().manual_seed(seed)
+    sequences = write_sequences(device, layout, shape, seq_lens, dtype, g)
     if mode == "decode":
         req, pos = decode_rows(torch.tensor(seq_lens), dql)
     else:
@@ -117,53 +162,28 @@ def make_case(
                 chosen.append(chosen[0])
             topk_idx[h, i, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
     q = torch.randn(n, hkv * group, d, generator=g).to(dtype)
-    req, pos = req.to(torch.int32), pos.to(torch.int32)
-    sparse_bt, sparse_ctx = build_table(topk_idx, block_table, req, pos, cache.block_page_stride)
-    to = dict(device=device)
-    return Case(
-        q.to(**to),
-        key.to(**to),
-        value.to(**to),
-        cache,
-        block_table.to(**to),
-        torch.tensor(seq_lens).to(**to),
-        topk_idx.to(**to),
-        req.to(**to),
-        pos.to(**to),
-        sparse_bt.to(**to),
-        sparse_ctx.to(**to),
-    )
+    return with_rows(sequences, seq_lens, q, topk_idx, req, pos)
+
+
+def poisoned_launch(kernel, case: Case, **launch):
+    """``kernel(*case.args, scale, out, lse, **launch)`` into poisoned outputs: ``(out, lse)``."""
+    n, hq, d = case.q.shape
+    out = poison(torch.empty_like(case.q))
+    lse = poison(torch.empty(n, hq, dtype=torch.float32, device=case.q.device))
+    kernel(*case.args, d**-0.5, out, lse, **launch)
+    return out, lse
 
 
 def run_kernel(case: Case, **launch):
     """The Triton kernel on poisoned outputs (``launch`` overrides num_splits / block_n)."""
-    n, hq, d = case.q.shape
-    out = poison(torch.empty_like(case.q))
-    lse = poison(torch.empty(n, hq, dtype=torch.float32, device=case.q.device))
     if launch:
-        attn_kernel.sparse_attention_kernel(
-            case.q,
-            case.cache.k_cache,
-            case.cache.v_cache,
-            case.sparse_bt,
-            case.sparse_ctx,
-            d**-0.5,
-            out,
-            lse,
-            **launch,
-        )
-    else:
-        out, lse = mm3lab.sparse_attention(
-            case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx, return_lse=True, out=out
-        )
-    return out, lse
+        return poisoned_launch(attn_kernel.sparse_attention_kernel, case, **launch)
+    return mm3lab.sparse_attention(*case.args, return_lse=True, out=poison(torch.empty_like(case.q)))
 
 
 def run_reference(case: Case):
     """The PyTorch reference on the case's sparse block table: ``(out, lse)``."""
-    return reference.sparse_attention(
-        case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx, return_lse=True
-    )
+    return reference.sparse_attention(*case.args, return_lse=True)
 
 
 def run_dense(case: Case):
@@ -191,9 +211,8 @@ def attention_every_path(case: Case, **launch):
     the dtype's tolerance of the reference; in float32 the reference also matches dense-masked attention."""
     dtype = case.q.dtype
     atol, rtol = TOLERANCE[dtype]
-    args = (case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx)
     got = run_paths(
-        mm3lab.sparse_attention, lambda: (args, {"return_lse": True, "out": poison(torch.empty_like(case.q))})
+        mm3lab.sparse_attention, lambda: (case.args, {"return_lse": True, "out": poison(torch.empty_like(case.q))})
     )
     if launch:
         got["kernel"] = run_kernel(case, **launch)
@@ -217,49 +236,31 @@ SHAPES = [(1, 1, 64), (2, 4, 128), (4, 3, 80), (1, 16, 96)]  # (Hkv, group size,
 MODES = [("decode", 1), ("decode", 3), ("prefill", None)]  # decode, speculative decode, prefill
 
 
-def shape_cases(device, layout, mode, dql, hkv, group, d):
+def shape_cases(device, layout, mode, dql, shape):
     """The cases of one (layout, mode, shape), one per dtype the device runs (shared with test_attention_tiled)."""
+    hkv, group, d = shape
+    seed = hkv * 100 + group * 10 + d
     for dtype in dtypes_for(device):
-        yield make_case(
-            layout=layout,
-            mode=mode,
-            hkv=hkv,
-            group=group,
-            d=d,
-            dtype=dtype,
-            device=device,
-            seq_lens=[300, 1, 141],
-            topk=3,
-            seed=hkv * 100 + group * 10 + d,
-            dql=dql or 1,
-            rows=6,
-            pad_rows=1,
-        )
+        yield make_case(device, layout, mode, shape, dtype=dtype, seed=seed, dql=dql or 1, rows=6, pad_rows=1)
 
 
-@pytest.mark.parametrize("layout", ["dense", "packed"])
-@pytest.mark.parametrize("mode,dql", MODES, ids=["decode", "spec_decode", "prefill"])
-@pytest.mark.parametrize("hkv,group,d", SHAPES, ids=lambda v: str(v))
-def test_kernel_matches_references(device, layout, mode, dql, hkv, group, d):
-    for case in shape_cases(device, layout, mode, dql, hkv, group, d):
+def over_shapes(test):
+    """Parametrize ``test(device, layout, mode, dql, shape)`` over both layouts, :data:`MODES` and :data:`SHAPES`."""
+    test = pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: "-".join(map(str, shape)))(test)
+    test = pytest.mark.parametrize("mode,dql", MODES, ids=["decode", "spec_decode", "prefill"])(test)
+    return pytest.mark.parametrize("layout", ["dense", "packed"])(test)
+
+
+@over_shapes
+def test_kernel_matches_references(device, layout, mode, dql, shape):
+    for case in shape_cases(device, layout, mode, dql, shape):
         attention_every_path(case)
 
 
 @pytest.mark.parametrize("num_splits,block_n", [(1, 16), (2, 32), (3, 64), (7, 16), (64, 32)])
 def test_split_over_pages_and_merge(device, num_splits, block_n):
     """Any split count and step size gives the same output; empty splits (past ctx) contribute nothing."""
-    case = make_case(
-        layout="packed",
-        mode="decode",
-        hkv=2,
-        group=5,
-        d=64,
-        dtype=torch.float32,
-        device=device,
-        seq_lens=[517, 20],
-        topk=4,
-        seed=num_splits,
-    )
+    case = make_case(device, "packed", "decode", (2, 5, 64), seq_lens=[517, 20], topk=4, seed=num_splits)
     attention_every_path(case, num_splits=num_splits, block_n=block_n)
 
 
@@ -287,19 +288,7 @@ def test_single_token_returns_its_value(device):
 
 def test_strided_inputs_and_scale(device):
     """A transposed token-major table, a strided q and an explicit scale."""
-    case = make_case(
-        layout="dense",
-        mode="decode",
-        hkv=2,
-        group=2,
-        d=64,
-        dtype=torch.float32,
-        device=device,
-        seq_lens=[200, 129],
-        topk=2,
-        seed=7,
-        dql=2,
-    )
+    case = make_case(device, "dense", "decode", (2, 2, 64), seq_lens=[200, 129], topk=2, seed=7, dql=2)
     q_wide = torch.randn(case.q.shape[0], case.q.shape[1], 2 * 64, device=device)
     q = q_wide[..., ::2]  # last dim strided
     bt_token_major = case.sparse_bt.transpose(0, 1).contiguous()  # [N, Hkv, W]
@@ -312,19 +301,8 @@ def test_strided_inputs_and_scale(device):
 
 
 def test_bf16_on_cpu_uses_the_exact_path():
-    case = make_case(
-        layout="dense",
-        mode="decode",
-        hkv=1,
-        group=2,
-        d=32,
-        dtype=torch.bfloat16,
-        device="cpu",
-        seq_lens=[40],
-        topk=1,
-        seed=3,
-    )
-    out = mm3lab.sparse_attention(case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx)
+    case = make_case("cpu", "dense", "decode", (1, 2, 32), seq_lens=[40], topk=1, seed=3, dtype=torch.bfloat16)
+    out = mm3lab.sparse_attention(*case.args)
     expected = run_dense(case)[0].to(torch.bfloat16)
     assert out.dtype == torch.bfloat16
     assert_close(out, expected, *(), atol=1e-2, rtol=1e-2)
@@ -347,23 +325,18 @@ def cases(draw, device):
     seq_lens = draw(st.lists(st.integers(0, 420), min_size=b, max_size=b))
     if mode == "prefill" and sum(seq_lens) == 0:
         seq_lens[0] = 1
-    topk = draw(st.integers(1, 4))
-    dql = draw(st.integers(2, 4)) if mode == "spec_decode" else 1
-    seed = draw(st.integers(0, 2**16))
     return make_case(
-        layout=layout,
-        mode="decode" if mode != "prefill" else "prefill",
-        hkv=hkv,
-        group=group,
-        d=d,
-        dtype=dtype,
-        device=device,
+        device,
+        layout,
+        "prefill" if mode == "prefill" else "decode",
+        (hkv, group, d),
         seq_lens=seq_lens,
-        topk=topk,
-        seed=seed,
-        dql=dql,
-        rows=4,
+        topk=draw(st.integers(1, 4)),
+        dql=draw(st.integers(2, 4)) if mode == "spec_decode" else 1,
+        seed=draw(st.integers(0, 2**16)),
         pad_rows=draw(st.integers(0, 1)),
+        dtype=dtype,
+        rows=4,
     )
 
 
@@ -392,18 +365,8 @@ def test_property_sweep_cuda():
 @pytest.mark.parametrize("batch", [1, 8])
 def test_model_shape_cuda(dtype, batch):
     """64 query heads, 4 KV heads, head dim 128, top-k 16 over a few-thousand-token context."""
-    case = make_case(
-        layout="packed",
-        mode="decode",
-        hkv=4,
-        group=16,
-        d=128,
-        dtype=dtype,
-        device="cuda",
-        seq_lens=[3000 + 97 * i for i in range(batch)],
-        topk=16,
-        seed=batch,
-    )
+    seq_lens = [3000 + 97 * i for i in range(batch)]
+    case = make_case("cuda", "packed", "decode", (4, 16, 128), seq_lens=seq_lens, topk=16, seed=batch, dtype=dtype)
     attention_every_path(case)
     out_dense, _ = run_dense(case)
     atol, rtol = TOLERANCE[dtype]

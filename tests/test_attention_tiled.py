@@ -18,17 +18,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_attention import (
-    MODES,
-    SHAPES,
     TOLERANCE,
     Case,
     assert_lse_close,
-    build_table,
     dtypes_for,
-    make_case,
+    over_shapes,
+    poisoned_launch,
     run_dense,
     run_reference,
     shape_cases,
+    with_rows,
+    write_sequences,
 )
 
 import mm3lab
@@ -40,33 +40,12 @@ TILE_MODES = ["auto", "union", "rows"]
 
 
 def run_tiled(case: Case, mode: str | None = None, **launch):
-    n, hq, d = case.q.shape
-    out = poison(torch.empty_like(case.q))
-    lse = poison(torch.empty(n, hq, dtype=torch.float32, device=case.q.device))
+    """The tiled kernel on poisoned outputs: through ``sparse_attention`` by default, else launched directly
+    in tile ``mode`` with ``launch`` overrides."""
     if mode is None and not launch:
-        return mm3lab.sparse_attention(
-            case.q,
-            case.cache.k_cache,
-            case.cache.v_cache,
-            case.sparse_bt,
-            case.sparse_ctx,
-            return_lse=True,
-            out=out,
-            algorithm="tiled",
-        )
-    tiled.tiled_attention_kernel(
-        case.q,
-        case.cache.k_cache,
-        case.cache.v_cache,
-        case.sparse_bt,
-        case.sparse_ctx,
-        d**-0.5,
-        out,
-        lse,
-        mode=mode or "auto",
-        **launch,
-    )
-    return out, lse
+        out = poison(torch.empty_like(case.q))
+        return mm3lab.sparse_attention(*case.args, return_lse=True, out=out, algorithm="tiled")
+    return poisoned_launch(tiled.tiled_attention_kernel, case, mode=mode or "auto", **launch)
 
 
 def check_tiled(case: Case, mode: str | None = None, dense: bool = True, **launch):
@@ -83,33 +62,24 @@ def check_tiled(case: Case, mode: str | None = None, dense: bool = True, **launc
 
 
 def make_chunk_case(
-    *, layout, hkv, group, d, dtype, device, seq_lens, chunk, topk, overlap, seed, tile=8, pad_rows=0
+    device, layout, shape, seq_lens, chunk, *, overlap, seed, topk=3, dtype=torch.float32, tile=8, pad_rows=0
 ) -> Case:
     """A prefill chunk: the last ``chunk[r]`` positions of request ``r``, rows consecutive.
 
-    Each run of ``tile`` rows draws one shared selection; each row keeps a shared
-    entry with probability ``overlap`` and otherwise picks its own block, so
+    ``shape`` is ``(Hkv, group size, head dim)``. Each run of ``tile`` rows draws one shared selection;
+    each row keeps a shared entry with probability ``overlap`` and otherwise picks its own block, so
     ``overlap = 1`` shares everything and ``overlap = 0`` is independent per row.
     """
-    base = make_case(
-        layout=layout,
-        mode="decode",
-        hkv=hkv,
-        group=group,
-        d=d,
-        dtype=dtype,
-        device=device,
-        seq_lens=seq_lens,
-        topk=1,
-        seed=seed,
-    )
+    hkv, group, d = shape
+    sequences = write_sequences(device, layout, shape, seq_lens, dtype, torch.Generator().manual_seed(seed))
     g = torch.Generator().manual_seed(seed + 1)
     req = torch.cat([torch.full((c,), r) for r, c in enumerate(chunk)] + [torch.zeros(pad_rows, dtype=torch.long)])
     pos = torch.cat(
         [torch.arange(s - c, s) for s, c in zip(seq_lens, chunk, strict=True)] + [torch.full((pad_rows,), -1)]
     )
     n = req.shape[0]
-    width_blocks = base.block_table.shape[1]
+    *_, block_table = sequences
+    width_blocks = block_table.shape[1]
     topk_idx = torch.full((hkv, n, topk), -1, dtype=torch.int32)
     for h in range(hkv):
         shared = None
@@ -130,24 +100,8 @@ def make_chunk_case(
             if torch.rand(1, generator=g) < 0.7:
                 row[0] = self_blk  # usually the local block; blocks past self_blk are dropped by the table
             topk_idx[h, i] = torch.tensor(row, dtype=torch.int32)
-    req, pos = req.to(torch.int32), pos.to(torch.int32)
     q = torch.randn(n, hkv * group, d, generator=g).to(dtype)
-    block_table = base.block_table.cpu()
-    sparse_bt, sparse_ctx = build_table(topk_idx, block_table, req, pos, base.cache.block_page_stride)
-    to = {"device": device}
-    return Case(
-        q.to(**to),
-        base.key,
-        base.value,
-        base.cache,
-        base.block_table,
-        base.seq_lens,
-        topk_idx.to(**to),
-        req.to(**to),
-        pos.to(**to),
-        sparse_bt.to(**to),
-        sparse_ctx.to(**to),
-    )
+    return with_rows(sequences, seq_lens, q, topk_idx, req, pos)
 
 
 # ----------------------------------------------------------------------------
@@ -155,11 +109,9 @@ def make_chunk_case(
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["dense", "packed"])
-@pytest.mark.parametrize("mode,dql", MODES, ids=["decode", "spec_decode", "prefill"])
-@pytest.mark.parametrize("hkv,group,d", SHAPES, ids=lambda v: str(v))
-def test_tiled_matches_references(device, layout, mode, dql, hkv, group, d):
-    for case in shape_cases(device, layout, mode, dql, hkv, group, d):
+@over_shapes
+def test_tiled_matches_references(device, layout, mode, dql, shape):
+    for case in shape_cases(device, layout, mode, dql, shape):
         check_tiled(case)
 
 
@@ -169,18 +121,7 @@ def test_tiled_matches_references(device, layout, mode, dql, hkv, group, d):
 def test_chunk_every_tile_mode(device, tile_mode, layout, overlap):
     """Multi-request chunk (a request ending mid-page, one of length 1), padded rows."""
     case = make_chunk_case(
-        layout=layout,
-        hkv=2,
-        group=4,
-        d=32,
-        dtype=torch.float32,
-        device=device,
-        seq_lens=[263, 1, 150],
-        chunk=[13, 1, 9],
-        topk=3,
-        overlap=overlap,
-        seed=int(overlap * 10),
-        pad_rows=2,
+        device, layout, (2, 4, 32), [263, 1, 150], [13, 1, 9], overlap=overlap, seed=int(overlap * 10), pad_rows=2
     )
     check_tiled(case, tile_mode, tile_rows=4)
 
@@ -188,17 +129,7 @@ def test_chunk_every_tile_mode(device, tile_mode, layout, overlap):
 @pytest.mark.parametrize("tile_rows,pages", [(8, 1), (16, 2), (32, 4)])
 def test_tile_and_step_sizes(device, tile_rows, pages):
     case = make_chunk_case(
-        layout="packed",
-        hkv=1,
-        group=2,
-        d=16,
-        dtype=torch.float16,
-        device=device,
-        seq_lens=[333],
-        chunk=[21],
-        topk=4,
-        overlap=0.7,
-        seed=tile_rows,
+        device, "packed", (1, 2, 16), [333], [21], overlap=0.7, seed=tile_rows, topk=4, dtype=torch.float16
     )
     check_tiled(case, "union", tile_rows=tile_rows, pages_per_step=pages)
 
@@ -284,14 +215,12 @@ def chunk_cases(draw, device):
     seq_lens = draw(st.lists(st.integers(1, 400), min_size=b, max_size=b))
     chunk = [draw(st.integers(1, min(s, 12))) for s in seq_lens]
     return make_chunk_case(
-        layout=draw(st.sampled_from(["dense", "packed"])),
-        hkv=hkv,
-        group=group,
-        d=d,
+        device,
+        draw(st.sampled_from(["dense", "packed"])),
+        (hkv, group, d),
+        seq_lens,
+        chunk,
         dtype=draw(st.sampled_from(dtypes_for(device))),
-        device=device,
-        seq_lens=seq_lens,
-        chunk=chunk,
         topk=draw(st.integers(1, 4)),
         overlap=draw(st.sampled_from([0.0, 0.25, 0.5, 0.9, 1.0])),
         seed=draw(st.integers(0, 2**16)),
@@ -323,18 +252,7 @@ def test_property_overlap_cuda(data):
 def test_model_shape_chunk_cuda(dtype, overlap):
     """64 query heads, 4 KV heads, head dim 128, top-k 16: a 300-token chunk of two requests."""
     case = make_chunk_case(
-        layout="packed",
-        hkv=4,
-        group=16,
-        d=128,
-        dtype=dtype,
-        device="cuda",
-        seq_lens=[3000, 1700],
-        chunk=[200, 100],
-        topk=16,
-        overlap=overlap,
-        seed=3,
-        tile=8,
+        "cuda", "packed", (4, 16, 128), [3000, 1700], [200, 100], overlap=overlap, seed=3, topk=16, dtype=dtype, tile=8
     )
     for mode in TILE_MODES:
         check_tiled(case, mode)

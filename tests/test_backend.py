@@ -253,16 +253,10 @@ def test_a_plan_on_the_pytorch_path_names_its_rule():
     if not backend.INTERPRETER:
         pytest.skip("the bfloat16 rule applies to the interpreter only")
     from mm3lab.msa import synthetic_layer
+    from mm3lab.testing import plan_sizes
 
     layer = synthetic_layer(200, dtype=torch.bfloat16)
     with backend.record_fallbacks() as taken:
-        plan = mm3lab.MSADecodePlan(
-            layer.cache.k_cache,
-            layer.cache.v_cache,
-            layer.index_cache,
-            batch=1,
-            max_blocks=4,
-            num_q_heads=layer.q.shape[1],
-        )
+        plan = mm3lab.MSADecodePlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, **plan_sizes(layer))
     assert not plan.uses_kernels
     assert taken == {"MSADecodePlan": "bf16-interpreter"}

@@ -68,6 +68,13 @@ class Entry:
     ints: dict = dataclasses.field(default_factory=dict)  # int keyword -> (minimum, maximum or None)
 
 
+def _with_twins(entry: Entry, *twins: str) -> list[Entry]:
+    """``entry`` and its twins, called the same way: ``"reference"`` (the same name in
+    :mod:`mm3lab.reference`) and ``"vllm"`` (``minimax_m3_<name>`` in :mod:`mm3lab.compat.vllm`)."""
+    fns = {"reference": lambda name: getattr(reference, name), "vllm": lambda name: getattr(vllm, "minimax_m3_" + name)}
+    return [entry] + [dataclasses.replace(entry, name=f"{t}.{entry.name}", fn=fns[t](entry.name)) for t in twins]
+
+
 MSA_KW = {"topk": 2, "decode_query_len": 1, "init_blocks": 0, "local_blocks": 1}
 CACHES = ("k_cache", "v_cache", "index_cache")
 
@@ -122,44 +129,30 @@ ENTRIES = [
         {},
         ("k_cache", "v_cache"),
     ),
-    Entry(
-        "insert_index_cache",
-        mm3lab.insert_index_cache,
-        ("index_k", "index_cache", "query_abs_pos"),
-        {},
-        ("index_cache",),
+    *_with_twins(
+        Entry(
+            "insert_index_cache",
+            mm3lab.insert_index_cache,
+            ("index_k", "index_cache", "query_abs_pos"),
+            {},
+            ("index_cache",),
+        ),
+        "reference",
+        "vllm",
     ),
-    Entry(
-        "reference.insert_index_cache",
-        reference.insert_index_cache,
-        ("index_k", "index_cache", "query_abs_pos"),
-        {},
-        ("index_cache",),
+    *_with_twins(
+        Entry("token_slots", mm3lab.token_slots, ("block_table", "query_req_id", "query_abs_pos"), {}), "reference"
     ),
-    Entry(
-        "vllm.insert_index_cache",
-        vllm.minimax_m3_insert_index_cache,
-        ("index_k", "index_cache", "query_abs_pos"),
-        {},
-        ("index_cache",),
-    ),
-    Entry("token_slots", mm3lab.token_slots, ("block_table", "query_req_id", "query_abs_pos"), {}),
-    Entry("reference.token_slots", reference.token_slots, ("block_table", "query_req_id", "query_abs_pos"), {}),
-    Entry(
-        "index_topk_decode",
-        mm3lab.index_topk_decode,
-        ("index_q", "index_cache", "block_table", "seq_lens"),
-        {"topk": 2, "decode_query_len": 1, "init_blocks": 0, "local_blocks": 1},
-        (),
-        {"topk": (1, None), "decode_query_len": (1, None), "init_blocks": (0, None), "local_blocks": (0, None)},
-    ),
-    Entry(
-        "reference.index_topk_decode",
-        reference.index_topk_decode,
-        ("index_q", "index_cache", "block_table", "seq_lens"),
-        {"topk": 2, "decode_query_len": 1, "init_blocks": 0, "local_blocks": 1},
-        (),
-        {"topk": (1, None), "decode_query_len": (1, None), "init_blocks": (0, None), "local_blocks": (0, None)},
+    *_with_twins(
+        Entry(
+            "index_topk_decode",
+            mm3lab.index_topk_decode,
+            ("index_q", "index_cache", "block_table", "seq_lens"),
+            {"topk": 2, "decode_query_len": 1, "init_blocks": 0, "local_blocks": 1},
+            (),
+            {"topk": (1, None), "decode_query_len": (1, None), "init_blocks": (0, None), "local_blocks": (0, None)},
+        ),
+        "reference",
     ),
     Entry(
         "index_topk_block_table_prefill",
@@ -178,35 +171,33 @@ ENTRIES = [
         {"init_blocks": (0, None), "local_blocks": (0, None)},
     ),
     Entry(
-        "build_sparse_block_table_decode",
-        mm3lab.build_sparse_block_table_decode,
-        ("topk_idx", "block_table", "seq_lens"),
-        {"decode_query_len": 1, "block_page_stride": 8},
-        (),
-        {"decode_query_len": (1, None)},
-    ),
-    Entry(
         "reference.build_sparse_block_table_prefill",
         reference.build_sparse_block_table_prefill,
         ("topk_idx", "block_table", "query_req_id", "query_abs_pos"),
         {"block_page_stride": 8},
     ),
-    Entry(
-        "vllm.build_sparse_block_table_decode",
-        vllm.minimax_m3_build_sparse_block_table_decode,
-        ("topk_idx", "block_table", "seq_lens"),
-        {"decode_query_len": 1, "block_page_stride": 8},
-        (),
-        {"decode_query_len": (1, None)},
+    *_with_twins(
+        Entry(
+            "build_sparse_block_table_decode",
+            mm3lab.build_sparse_block_table_decode,
+            ("topk_idx", "block_table", "seq_lens"),
+            {"decode_query_len": 1, "block_page_stride": 8},
+            (),
+            {"decode_query_len": (1, None)},
+        ),
+        "vllm",
     ),
-    Entry("topk_blocks", mm3lab.topk_blocks, ("scores",), {"topk": 2}, (), {"topk": (1, None)}),
-    Entry("reference.topk_blocks", reference.topk_blocks, ("scores",), {"topk": 2}, (), {"topk": (1, None)}),
-    Entry("rebase_block_table_to_page16", mm3lab.rebase_block_table_to_page16, ("block_table",), {}),
-    Entry("vllm.rebase_block_table_to_page16", vllm.minimax_m3_rebase_block_table_to_page16, ("block_table",), {}),
+    *_with_twins(
+        Entry("topk_blocks", mm3lab.topk_blocks, ("scores",), {"topk": 2}, (), {"topk": (1, None)}), "reference"
+    ),
+    *_with_twins(
+        Entry("rebase_block_table_to_page16", mm3lab.rebase_block_table_to_page16, ("block_table",), {}), "vllm"
+    ),
     Entry("rebase_slot_mapping_to_page16", mm3lab.rebase_slot_mapping_to_page16, ("query_abs_pos",), {}),
     Entry("sides_are_packed", mm3lab.sides_are_packed, ("k_cache", "v_cache"), {}),
-    Entry("sparse_block_page_stride", mm3lab.sparse_block_page_stride, ("k_cache", "v_cache"), {}),
-    Entry("vllm.sparse_block_page_stride", vllm.minimax_m3_sparse_block_page_stride, ("k_cache", "v_cache"), {}),
+    *_with_twins(
+        Entry("sparse_block_page_stride", mm3lab.sparse_block_page_stride, ("k_cache", "v_cache"), {}), "vllm"
+    ),
 ]
 ENTRY = {e.name: e for e in ENTRIES}
 
@@ -299,6 +290,11 @@ def _v(name, values, dtype=torch.int32):
     return _set(name, _t(values, dtype))
 
 
+def _zeros(name, *shape):
+    """Spoil: argument ``name`` becomes ``torch.zeros(shape)`` (float32) on the device."""
+    return _set(name, lambda t, d: torch.zeros(*shape, device=d))
+
+
 def _nan(t, d):
     return torch.full_like(t, float("nan"))
 
@@ -389,20 +385,8 @@ for entry in MSA:
         Case(entry, "index_k-short", _set("index_k", lambda t, d: t[:1]), ValueError, "index_k"),
         Case(entry, "index_k-dim", _set("index_k", lambda t, d: t[:, :8]), ValueError, "index_k"),
         Case(entry, "index_q-heads", _set("index_q", lambda t, d: t.expand(2, 2, 16)), ValueError, "index_q"),
-        Case(
-            entry,
-            "index_cache-bigger",
-            _set("index_cache", lambda t, d: torch.zeros(7, 128, 16, device=d)),
-            ValueError,
-            "index_cache",
-        ),
-        Case(
-            entry,
-            "index_cache-smaller",
-            _set("index_cache", lambda t, d: torch.zeros(5, 128, 16, device=d)),
-            ValueError,
-            "index_cache",
-        ),
+        Case(entry, "index_cache-bigger", _zeros("index_cache", 7, 128, 16), ValueError, "index_cache"),
+        Case(entry, "index_cache-smaller", _zeros("index_cache", 5, 128, 16), ValueError, "index_cache"),
         Case(entry, "index_cache-dtype", _set("index_cache", lambda t, d: t.half()), TypeError, "index_q"),
         Case(
             entry, "index_q-nan-ok-but-topk-None", _set("topk", lambda v, d: None), TypeError, "topk", nan_caches=True
@@ -547,28 +531,10 @@ HAND += [
     Case("topk_blocks", "scores-int", _set("scores", lambda t, d: t.long()), TypeError, "scores"),
     Case("topk_blocks", "scores-0d", _set("scores", lambda t, d: t[0, 0]), ValueError, "scores"),
     Case("reference.topk_blocks", "topk-huge", _set("topk", lambda v, d: 2**40), ValueError, "topk"),
-    Case(
-        "sides_are_packed",
-        "page-size",
-        _set("v_cache", lambda t, d: torch.zeros(48, 8, 1, 16, device=d)),
-        ValueError,
-        "v_cache",
-    ),
+    Case("sides_are_packed", "page-size", _zeros("v_cache", 48, 8, 1, 16), ValueError, "v_cache"),
     Case("sides_are_packed", "dtype", _set("v_cache", lambda t, d: t.half()), TypeError, "v_cache"),
-    Case(
-        "sides_are_packed",
-        "heads",
-        _set("v_cache", lambda t, d: torch.zeros(48, 16, 2, 16, device=d)),
-        ValueError,
-        "v_cache",
-    ),
-    Case(
-        "sparse_block_page_stride",
-        "pages-40-48",
-        _set("k_cache", lambda t, d: torch.zeros(40, 16, 1, 16, device=d)),
-        ValueError,
-        "k_cache",
-    ),
+    Case("sides_are_packed", "heads", _zeros("v_cache", 48, 16, 2, 16), ValueError, "v_cache"),
+    Case("sparse_block_page_stride", "pages-40-48", _zeros("k_cache", 40, 16, 1, 16), ValueError, "k_cache"),
     Case("sparse_block_page_stride", "int-cache", _set("k_cache", lambda t, d: t.int()), TypeError, "k_cache"),
     Case("insert_index_cache", "slot-past", _set("query_abs_pos", _t([0, 6 * 128])), ValueError, "slot_mapping"),
     Case(

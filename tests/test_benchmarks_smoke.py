@@ -36,7 +36,8 @@ RECORD_KEYS = {
 }
 
 
-def _main(argv) -> int:
+def run_cli(argv) -> int:
+    """``python -m benchmarks ARGV``, the backend restored afterwards."""
     previous = mm3lab.get_backend()
     try:
         return cli.main(argv)
@@ -46,24 +47,14 @@ def _main(argv) -> int:
 
 def test_dry_run_covers_every_suite(tmp_path):
     out = tmp_path / "dry.json"
-    rc = _main(["--dry-run", "--out", str(out), "--calls", "1", "--samples", "2"])
+    rc = run_cli(["--dry-run", "--out", str(out), "--calls", "1", "--samples", "2"])
     assert rc == 0
     payload = json.loads(out.read_text())
     assert payload["meta"]["failures"] == {} and payload["meta"]["dry_run"] is True
     assert "cold L2" in payload["meta"]["method"]
     records = payload["records"]
     names = {r["name"] for r in records}
-    assert {
-        "sparse_attention",
-        "attention_prefill",
-        "spec_decode_attention",
-        "block_table_decode",
-        "indexer_decode",
-        "topk",
-        "index_cache_insert",
-        "msa_decode",
-        "msa_decode_plan",
-    } <= names
+    assert set(cli.ENTRY_POINTS) | {"spec_decode_attention"} <= names
     assert set(payload["meta"]["suite_seconds"]) == set(suites.SUITES)
     assert {r["suite"] for r in records} <= set(suites.SUITES) | {"setup"}
     prefill = [r for r in records if r["name"] == "attention_prefill"]
@@ -97,7 +88,7 @@ def test_dry_run_covers_every_suite(tmp_path):
 
 def test_stage_breakdown_runs_the_kernels(tmp_path):
     out = tmp_path / "stages.json"
-    rc = _main(
+    rc = run_cli(
         [
             "--dry-run",
             "--backend",
@@ -121,27 +112,30 @@ def test_stage_breakdown_runs_the_kernels(tmp_path):
 def test_runs_of_some_suites_merge_into_one_file(tmp_path):
     out = tmp_path / "halves.json"
     assert (
-        _main(["--dry-run", "--only", "topk", "index_cache", "--out", str(out), "--calls", "1", "--samples", "1"]) == 0
+        run_cli(["--dry-run", "--only", "topk", "index_cache", "--out", str(out), "--calls", "1", "--samples", "1"])
+        == 0
     )
-    assert _main(["--dry-run", "--only", "block_table", "--out", str(out), "--calls", "1", "--samples", "1"]) == 0
+    assert run_cli(["--dry-run", "--only", "block_table", "--out", str(out), "--calls", "1", "--samples", "1"]) == 0
     first = json.loads(out.read_text())
     assert {r["suite"] for r in first["records"]} == {"topk", "index_cache", "block_table"}
     assert first["meta"]["suites"] == ["topk", "index_cache", "block_table"] and len(first["meta"]["runs"]) == 2
     counts = {s: sum(r["suite"] == s for r in first["records"]) for s in ("topk", "index_cache", "block_table")}
     # running a suite again replaces its records (no duplicates) and keeps the others
-    assert _main(["--dry-run", "--only", "topk", "--out", str(out), "--calls", "1", "--samples", "1"]) == 0
+    assert run_cli(["--dry-run", "--only", "topk", "--out", str(out), "--calls", "1", "--samples", "1"]) == 0
     again = json.loads(out.read_text())
     assert {s: sum(r["suite"] == s for r in again["records"]) for s in counts} == counts
     assert again["meta"]["suites"] == ["index_cache", "block_table", "topk"]
     # --fresh starts over; --merge joins files without running anything
     other = tmp_path / "other.json"
     assert (
-        _main(["--dry-run", "--fresh", "--only", "index_cache", "--out", str(other), "--calls", "1", "--samples", "1"])
+        run_cli(
+            ["--dry-run", "--fresh", "--only", "index_cache", "--out", str(other), "--calls", "1", "--samples", "1"]
+        )
         == 0
     )
     assert {r["suite"] for r in json.loads(other.read_text())["records"]} == {"index_cache"}
     merged = tmp_path / "merged.json"
-    assert _main(["--merge", str(out), str(other), "--out", str(merged)]) == 0
+    assert run_cli(["--merge", str(out), str(other), "--out", str(merged)]) == 0
     both = json.loads(merged.read_text())
     assert sum(r["suite"] == "index_cache" for r in both["records"]) == counts["index_cache"]
     assert {r["suite"] for r in both["records"]} == {"topk", "index_cache", "block_table"}
@@ -150,7 +144,9 @@ def test_runs_of_some_suites_merge_into_one_file(tmp_path):
 def test_a_spent_budget_skips_shapes_and_says_so(tmp_path):
     out = tmp_path / "budget.json"
     assert (
-        _main(["--dry-run", "--only", "topk", "--budget", "1e-9", "--out", str(out), "--calls", "1", "--samples", "1"])
+        run_cli(
+            ["--dry-run", "--only", "topk", "--budget", "1e-9", "--out", str(out), "--calls", "1", "--samples", "1"]
+        )
         == 0
     )
     payload = json.loads(out.read_text())

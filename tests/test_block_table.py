@@ -19,16 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mm3lab
-from mm3lab import reference
-from mm3lab.block_table import (
-    attended_ranges,
+from mm3lab import (
     attended_tokens,
     build_sparse_block_table_decode,
     build_sparse_block_table_prefill,
-    decode_positions,
     plan_sparse_row,
-    sparse_block_table_row,
+    reference,
 )
+from mm3lab.block_table import attended_ranges, decode_positions, sparse_block_table_row
 from mm3lab.block_table.kernel import emit_sparse_block_table_row
 from mm3lab.compat import vllm
 from mm3lab.constants import PAGES_PER_SPARSE_BLOCK as PAGES
@@ -260,26 +258,30 @@ def _lens(draw, count, capacity, out_of_range):
     return draw(st.lists(st.one_of(st.sampled_from(edge), st.integers(0, top)), min_size=count, max_size=count))
 
 
+def _table_dims(draw, topks):
+    """Block-table width ``m``, top-k ``k`` (one of ``topks``), and whether ids and lengths may fall out of range."""
+    return draw(st.integers(1, 5)), draw(st.sampled_from(topks)), draw(st.booleans()) and draw(st.booleans())
+
+
+def _arguments(draw, device, self_blks, h, k, m, b, out_of_range, rows, **fixed) -> dict:
+    """A case as keyword arguments in signature order: a selection over the rows' ``self_blks``, a block table,
+    the ``rows`` index lists, the ``fixed`` values, a stride; index tensors int32/int64, maybe strided."""
+    topk = _index(draw, _selection(draw, self_blks, h, k, m, out_of_range), device)
+    table = draw(st.lists(st.lists(st.integers(0, 50), min_size=m, max_size=m), min_size=b, max_size=b))
+    case = {"topk_idx": _strided(draw, topk), "block_table": _strided(draw, _index(draw, table, device))}
+    case.update({name: _strided(draw, _index(draw, values, device)) for name, values in rows.items()})
+    return {**case, **fixed, "block_page_stride": draw(st.sampled_from(STRIDES)), "out_of_range": out_of_range}
+
+
 @st.composite
 def decode_cases(draw, device):
     h = draw(st.integers(1, 4))
     dql = draw(st.integers(1, 4))
     b = draw(st.integers(1, max(1, 6 // (h * dql))))
-    m = draw(st.integers(1, 5))
-    k = draw(st.sampled_from([1, 2, 3, 4, 5, 8]))
-    out_of_range = draw(st.booleans()) and draw(st.booleans())
+    m, k, out_of_range = _table_dims(draw, [1, 2, 3, 4, 5, 8])
     seq_lens = _lens(draw, b, m * BLOCK, out_of_range)
     p = [pos // BLOCK if pos >= 0 else -1 for s in seq_lens for pos in decode_positions(s, dql)]
-    topk = _index(draw, _selection(draw, p, h, k, m, out_of_range), device)
-    table = draw(st.lists(st.lists(st.integers(0, 50), min_size=m, max_size=m), min_size=b, max_size=b))
-    return dict(
-        topk_idx=_strided(draw, topk),
-        block_table=_strided(draw, _index(draw, table, device)),
-        seq_lens=_strided(draw, _index(draw, seq_lens, device)),
-        decode_query_len=dql,
-        block_page_stride=draw(st.sampled_from(STRIDES)),
-        out_of_range=out_of_range,
-    )
+    return _arguments(draw, device, p, h, k, m, b, out_of_range, {"seq_lens": seq_lens}, decode_query_len=dql)
 
 
 @st.composite
@@ -287,25 +289,15 @@ def prefill_cases(draw, device):
     h = draw(st.integers(1, 4))
     b = draw(st.integers(1, 3))
     n = draw(st.integers(1, max(1, 8 // h)))
-    m = draw(st.integers(1, 5))
-    k = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
-    out_of_range = draw(st.booleans()) and draw(st.booleans())
+    m, k, out_of_range = _table_dims(draw, [1, 2, 3, 4, 6, 8])
     pos = [s - 1 for s in _lens(draw, n, m * BLOCK, out_of_range)]  # p = -1: a padded row
     if draw(st.booleans()):  # a chunk of consecutive tokens of one request
         start = draw(st.integers(0, max(m * BLOCK - n, 0)))
         pos = [min(start + i, m * BLOCK - 1) for i in range(n)]
     req = [draw(st.integers(-1, b) if out_of_range else st.integers(0, b - 1)) for _ in range(n)]
     self_blks = [q // BLOCK if q >= 0 else -1 for q in pos]
-    topk = _index(draw, _selection(draw, self_blks, h, k, m, out_of_range), device)
-    table = draw(st.lists(st.lists(st.integers(0, 50), min_size=m, max_size=m), min_size=b, max_size=b))
-    return dict(
-        topk_idx=_strided(draw, topk),
-        block_table=_strided(draw, _index(draw, table, device)),
-        query_req_id=_strided(draw, _index(draw, req, device)),
-        query_abs_pos=_strided(draw, _index(draw, pos, device)),
-        block_page_stride=draw(st.sampled_from(STRIDES)),
-        out_of_range=out_of_range,
-    )
+    rows = {"query_req_id": req, "query_abs_pos": pos}
+    return _arguments(draw, device, self_blks, h, k, m, b, out_of_range, rows)
 
 
 def _check_case(entry, case, device):
@@ -417,25 +409,23 @@ def _on(device, changes):
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in changes.items()}
 
 
-@pytest.mark.parametrize("changes,error,match", DECODE_BAD)
-def test_decode_rejects_bad_input(device, changes, error, match, monkeypatch):
+STEPS = {  # step: (its good arguments, its entry point and reference twin)
+    "decode": (_decode_args, build_sparse_block_table_decode, reference.build_sparse_block_table_decode),
+    "prefill": (_prefill_args, build_sparse_block_table_prefill, reference.build_sparse_block_table_prefill),
+}
+
+
+@pytest.mark.parametrize(
+    "step,changes,error,match", [("decode", *bad) for bad in DECODE_BAD] + [("prefill", *bad) for bad in PREFILL_BAD]
+)
+def test_bad_input_raises_and_leaves_out_untouched(device, step, changes, error, match, monkeypatch):
     _forbid_kernels(monkeypatch)
-    args = {**_decode_args(device), **_on(device, changes)}
-    for entry in (build_sparse_block_table_decode, reference.build_sparse_block_table_decode):
+    good_args, *entries = STEPS[step]
+    args = {**good_args(device), **_on(device, changes)}
+    for entry in entries:
         out = poisoned_out(1, 2, 2, device)
         with pytest.raises(error, match=match):
             entry(**args, out=out) if args["topk_idx"].dim() == 3 else entry(**args)
-        assert out[0].eq(GARBAGE_INT).all() and out[1].eq(GARBAGE_INT).all()
-
-
-@pytest.mark.parametrize("changes,error,match", PREFILL_BAD)
-def test_prefill_rejects_bad_input(device, changes, error, match, monkeypatch):
-    _forbid_kernels(monkeypatch)
-    args = {**_prefill_args(device), **_on(device, changes)}
-    for entry in (build_sparse_block_table_prefill, reference.build_sparse_block_table_prefill):
-        out = poisoned_out(1, 2, 2, device)
-        with pytest.raises(error, match=match):
-            entry(**args, out=out)
         assert out[0].eq(GARBAGE_INT).all() and out[1].eq(GARBAGE_INT).all()
 
 

@@ -126,15 +126,13 @@ def test_show_causal_tail_prints_and_draws(capsys):
     assert fig.axes[0].get_title().startswith("seq_len = 129, decode_query_len = 3")
 
 
-def test_causal_tail_widget_redraws_on_every_control(capsys):
+def test_causal_tail_widget_redraws_on_every_control(capsys, draw_widget):
     pytest.importorskip("ipywidgets")
     from mm3lab.widgets.causal_tail import causal_tail_widget
 
     w = causal_tail_widget()
-    controls = {c.description: c for c in w.children if getattr(c, "description", "")}
+    controls, first = draw_widget(w)
     assert set(controls) == {"position p", "top-k row", "dql", "stride"}
-    w.update()
-    first = w.result
     assert isinstance(first, Figure) and "p = 300" in first.axes[0].get_title()
     controls["position p"].value = 128
     assert "p = 128 (self_blk = 1)" in w.result.axes[0].get_title()

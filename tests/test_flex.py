@@ -24,9 +24,7 @@ def check_flex(case, decode_query_len=None, atol=2e-5, rtol=2e-5):
     key = torch.nan_to_num(case.key)
     value = torch.nan_to_num(case.value)
     out_f, lse_f = flex.flex_sparse_attention(case.q, key, value, mask, seq_lens, return_lse=True)
-    out_s, lse_s = mm3lab.sparse_attention(
-        case.q, case.cache.k_cache, case.cache.v_cache, case.sparse_bt, case.sparse_ctx, return_lse=True
-    )
+    out_s, lse_s = mm3lab.sparse_attention(*case.args, return_lse=True)
     assert_close(out_f, out_s, atol=atol, rtol=rtol, name="flex vs sparse_attention")
     empty = torch.isinf(lse_s.cpu())
     assert torch.equal(torch.isinf(lse_f.cpu()), empty)
@@ -38,19 +36,7 @@ def check_flex(case, decode_query_len=None, atol=2e-5, rtol=2e-5):
 @pytest.mark.parametrize("layout", ["dense", "packed"])
 @pytest.mark.parametrize("dql", [1, 3])
 def test_decode_forms_match(device, layout, dql):
-    case = make_case(
-        layout=layout,
-        mode="decode",
-        hkv=2,
-        group=2,
-        d=32,
-        dtype=torch.float32,
-        device=device,
-        seq_lens=[300, 2, 141],
-        topk=3,
-        seed=11 + dql,
-        dql=dql,
-    )
+    case = make_case(device, layout, "decode", (2, 2, 32), seq_lens=[300, 2, 141], seed=11 + dql, dql=dql)
     check_flex(case, decode_query_len=dql)
     check_flex(case)
 
@@ -59,37 +45,13 @@ def test_decode_forms_match(device, layout, dql):
 def test_prefill_chunk_matches(device, overlap):
     """A multi-request chunk with a tail mid-page, duplicates and padded rows."""
     case = make_chunk_case(
-        layout="packed",
-        hkv=2,
-        group=2,
-        d=32,
-        dtype=torch.float32,
-        device=device,
-        seq_lens=[270, 1, 150],
-        chunk=[140, 1, 9],
-        topk=3,
-        overlap=overlap,
-        seed=4,
-        pad_rows=2,
+        device, "packed", (2, 2, 32), [270, 1, 150], [140, 1, 9], overlap=overlap, seed=4, pad_rows=2
     )
     check_flex(case)
 
 
 def test_random_prefill_rows_match(device):
-    case = make_case(
-        layout="dense",
-        mode="prefill",
-        hkv=1,
-        group=4,
-        d=16,
-        dtype=torch.float32,
-        device=device,
-        seq_lens=[300, 129],
-        topk=2,
-        seed=9,
-        rows=20,
-        pad_rows=3,
-    )
+    case = make_case(device, "dense", "prefill", (1, 4, 16), seq_lens=[300, 129], topk=2, seed=9, rows=20, pad_rows=3)
     check_flex(case)
 
 

@@ -4,30 +4,10 @@ from __future__ import annotations
 
 import json
 
-import mm3lab
-from benchmarks import __main__ as cli
+from test_benchmarks_smoke import RECORD_KEYS, run_cli
+
 from benchmarks import fp8 as grid
 from benchmarks import suites
-
-RECORD_KEYS = {
-    "name",
-    "gpu",
-    "torch",
-    "triton",
-    "shape",
-    "ms",
-    "baseline",
-    "baseline_ms",
-    "speedup",
-    "bytes",
-    "achieved_TBps",
-    "fraction_of_copy_bw",
-    "mode",
-    "cv",
-    "samples",
-    "validation",
-    "fallback",
-}
 
 
 def test_grid_cells_cover_the_grid_goals_first():
@@ -41,12 +21,7 @@ def test_grid_cells_cover_the_grid_goals_first():
 
 def test_dry_run_writes_grid_records(tmp_path):
     out = tmp_path / "fp8.json"
-    previous = mm3lab.get_backend()
-    try:
-        rc = cli.main(["--dry-run", "--only", "fp8", "--out", str(out), "--calls", "1", "--samples", "2"])
-    finally:
-        mm3lab.set_backend(previous)
-    assert rc == 0
+    assert run_cli(["--dry-run", "--only", "fp8", "--out", str(out), "--calls", "1", "--samples", "2"]) == 0
     payload = json.loads(out.read_text())
     assert payload["meta"]["failures"] == {}
     records = [r for r in payload["records"] if r["name"] == "msa_decode_grid"]

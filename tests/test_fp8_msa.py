@@ -14,25 +14,13 @@ import torch
 
 import mm3lab
 from mm3lab.fp8 import ATTENTION_FP8_DEQUANT_ATOL, FP8_DTYPE, quantize
-from mm3lab.msa import synthetic_layer
+from mm3lab.testing import plan_sizes, small_msa_layer
 
 DT = torch.float32  # the interpreter's bf16 arithmetic is inexact
 
 
-def _layer(device, dql=1, layout="packed", batch=2, context=300, seed=0):
-    return synthetic_layer(
-        context,
-        batch=batch,
-        num_kv_heads=2,
-        group_size=2,
-        head_dim=16,
-        index_dim=32,
-        layout=layout,
-        decode_query_len=dql,
-        dtype=DT,
-        device=device,
-        seed=seed,
-    )
+def _layer(device, **kw):
+    return small_msa_layer(device, index_dim=32, **kw)
 
 
 def _fp8_caches(layer, index=True, kv=True):
@@ -93,6 +81,15 @@ def _inputs(layer, caches):
     }
     args.update({k: v for k, v in caches.items() if not k.startswith("_")})
     return args
+
+
+def _cache_args(caches):
+    """``(k_cache, v_cache, index_cache)`` of :func:`_fp8_caches` / :func:`_clone`."""
+    return caches["k_cache"], caches["v_cache"], caches["index_cache"]
+
+
+def _scales(caches) -> dict:
+    return {k: caches[k] for k in ("index_scale", "k_scale", "v_scale")}
 
 
 def _bits(t):
@@ -198,71 +195,20 @@ def test_fp8_decode_plan_is_bit_identical_to_msa_decode():
     one = _clone(base)
     want = mm3lab.msa_decode(**_inputs(layer, one), topk=3)
     two = _clone(base)
-    plan = mm3lab.MSADecodePlan(
-        two["k_cache"],
-        two["v_cache"],
-        two["index_cache"],
-        batch=2,
-        max_blocks=layer.block_table.shape[1],
-        num_q_heads=layer.q.shape[1],
-        decode_query_len=2,
-        topk=3,
-        index_scale=two["index_scale"],
-        k_scale=two["k_scale"],
-        v_scale=two["v_scale"],
-        query_dtype=DT,
-    )
+    caches = _cache_args(two)
+    scales = _scales(two)
+    plan = mm3lab.MSADecodePlan(*caches, **plan_sizes(layer), decode_query_len=2, topk=3, query_dtype=DT, **scales)
     assert plan.uses_kernels
-    got = plan.run(
-        layer.q,
-        layer.key,
-        layer.value,
-        layer.index_q,
-        layer.index_k,
-        two["k_cache"],
-        two["v_cache"],
-        two["index_cache"],
-        layer.block_table,
-        layer.seq_lens,
-        index_scale=two["index_scale"],
-        k_scale=two["k_scale"],
-        v_scale=two["v_scale"],
-    )
+    inputs = (layer.q, layer.key, layer.value, layer.index_q, layer.index_k)
+    tables = (layer.block_table, layer.seq_lens)
+    got = plan.run(*inputs, *caches, *tables, **scales)
     assert torch.equal(got, want)
     for name in one:
         assert torch.equal(_bits(one[name]), _bits(two[name])), name
     with pytest.raises(ValueError, match="k_scale"):
-        plan.run(
-            layer.q,
-            layer.key,
-            layer.value,
-            layer.index_q,
-            layer.index_k,
-            two["k_cache"],
-            two["v_cache"],
-            two["index_cache"],
-            layer.block_table,
-            layer.seq_lens,
-            index_scale=two["index_scale"],
-            k_scale=None,
-            v_scale=two["v_scale"],
-        )
+        plan.run(*inputs, *caches, *tables, **{**scales, "k_scale": None})
     with pytest.raises(TypeError, match="q"):
-        plan.run(
-            layer.q.half(),
-            layer.key,
-            layer.value,
-            layer.index_q,
-            layer.index_k,
-            two["k_cache"],
-            two["v_cache"],
-            two["index_cache"],
-            layer.block_table,
-            layer.seq_lens,
-            index_scale=two["index_scale"],
-            k_scale=two["k_scale"],
-            v_scale=two["v_scale"],
-        )
+        plan.run(layer.q.half(), *inputs[1:], *caches, *tables, **scales)
 
 
 def test_fp8_prefill_plan_is_bit_identical_to_msa_prefill():
@@ -280,42 +226,16 @@ def test_fp8_prefill_plan_is_bit_identical_to_msa_prefill():
     one = _clone(base)
     want = mm3lab.msa_prefill(*args, block_table=layer.block_table, query_req_id=req, query_abs_pos=pos, topk=2, **one)
     two = _clone(base)
-    scales = {k: two[k] for k in ("index_scale", "k_scale", "v_scale")}
-    plan = mm3lab.MSAPrefillPlan(
-        two["k_cache"],
-        two["v_cache"],
-        two["index_cache"],
-        num_tokens=2,
-        batch=1,
-        max_blocks=layer.block_table.shape[1],
-        num_q_heads=layer.q.shape[1],
-        topk=2,
-        query_dtype=DT,
-        **scales,
-    )
-    got = plan.run(*args, two["k_cache"], two["v_cache"], two["index_cache"], layer.block_table, req, pos, **scales)
+    scales = _scales(two)
+    plan = mm3lab.MSAPrefillPlan(*_cache_args(two), num_tokens=2, **plan_sizes(layer), topk=2, query_dtype=DT, **scales)
+    got = plan.run(*args, *_cache_args(two), layer.block_table, req, pos, **scales)
     assert torch.equal(got, want)
 
 
 def test_plan_rejects_scales_it_was_not_planned_with():
     layer = _layer("cpu")
+    caches = (layer.cache.k_cache, layer.cache.v_cache, layer.index_cache)
     with pytest.raises(ValueError, match="k_scale"):
-        mm3lab.MSADecodePlan(
-            layer.cache.k_cache,
-            layer.cache.v_cache,
-            layer.index_cache,
-            batch=2,
-            max_blocks=layer.block_table.shape[1],
-            num_q_heads=layer.q.shape[1],
-            k_scale=torch.ones(1),
-        )
+        mm3lab.MSADecodePlan(*caches, **plan_sizes(layer), k_scale=torch.ones(1))
     with pytest.raises(TypeError, match="query_dtype"):
-        mm3lab.MSADecodePlan(
-            layer.cache.k_cache,
-            layer.cache.v_cache,
-            layer.index_cache,
-            batch=2,
-            max_blocks=layer.block_table.shape[1],
-            num_q_heads=layer.q.shape[1],
-            query_dtype=torch.int32,
-        )
+        mm3lab.MSADecodePlan(*caches, **plan_sizes(layer), query_dtype=torch.int32)

@@ -361,8 +361,11 @@ def test_topk_groups_and_algorithms(device, algorithm, group):
     query_req_id = torch.tensor([0, 1, 2, 1, 7, 0], dtype=torch.int32, device=device)
     query_abs_pos = torch.tensor([8000, 2000, 0, 10, -1, 40 * BLOCK], dtype=torch.int32, device=device)
     bt = torch.randint(0, 500, (3, width), generator=gen, dtype=torch.int32).to(device)
-    cases = {"decode": (1, seq_lens, seq_lens, 2), "prefill": (2, query_req_id, query_abs_pos, 1)}
-    for kind, (positions, req, pos, dql) in cases.items():
+    cases = {  # the rows' positions: decode rows of seq_lens, or prefill rows (req, pos)
+        "decode": {"positions": 1, "req": seq_lens, "pos": seq_lens, "dql": 2},
+        "prefill": {"positions": 2, "req": query_req_id, "pos": query_abs_pos, "dql": 1},
+    }
+    for kind, row_kw in cases.items():
         outs = []
         for settings_ in ({}, run):
             out = [
@@ -374,11 +377,8 @@ def test_topk_groups_and_algorithms(device, algorithm, group):
                 scores,
                 topk,
                 out[0],
-                positions=positions,
-                req=req,
-                pos=pos,
+                **row_kw,
                 batch=3,
-                dql=dql,
                 block_table=bt,
                 sparse_bt=out[1],
                 sparse_ctx=out[2],

@@ -146,15 +146,13 @@ def test_bad_arguments():
         viz.rebase_text((9,), 4)
 
 
-def test_layout_widget_redraws_on_every_control():
+def test_layout_widget_redraws_on_every_control(draw_widget):
     pytest.importorskip("ipywidgets")
     from mm3lab.widgets.layout import layout_widget
 
     w = layout_widget(num_blocks=4)
-    controls = {c.description: c for c in w.children if hasattr(c, "description") and c.description}
+    controls, first = draw_widget(w)
     assert set(controls) >= {"layout", "block", "KV heads"}
-    w.update()
-    first = w.result
     assert isinstance(first, Figure) and "packed layout" in first.axes[0].get_title()
 
     controls["layout"].value = "dense"

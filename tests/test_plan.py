@@ -9,24 +9,9 @@ import mm3lab
 from mm3lab.index_cache import token_slots
 from mm3lab.msa import decode_query_rows, synthetic_layer
 from mm3lab.rows import rows_and_slots
+from mm3lab.testing import plan_sizes, small_msa_layer
 
 DT = torch.float32  # the interpreter's bf16 arithmetic is inexact; fp32 runs the kernels everywhere
-
-
-def _layer(device, batch=2, context=300, dql=1, layout="packed", seed=0):
-    return synthetic_layer(
-        context,
-        batch=batch,
-        num_kv_heads=2,
-        group_size=2,
-        head_dim=16,
-        index_dim=16,
-        layout=layout,
-        decode_query_len=dql,
-        dtype=DT,
-        device=device,
-        seed=seed,
-    )
 
 
 def _clone_caches(layer):
@@ -35,17 +20,20 @@ def _clone_caches(layer):
     return kv, views[0], views[1], layer.index_cache.clone()
 
 
+def _caches(layer):
+    """The layer's ``(k_cache, v_cache, index_cache)``: what a plan is built on and run with."""
+    return layer.cache.k_cache, layer.cache.v_cache, layer.index_cache
+
+
 def _decode_plan(layer, **kw):
-    return mm3lab.MSADecodePlan(
-        layer.cache.k_cache,
-        layer.cache.v_cache,
-        layer.index_cache,
-        batch=layer.block_table.shape[0],
-        max_blocks=layer.block_table.shape[1],
-        num_q_heads=layer.q.shape[1],
-        decode_query_len=layer.decode_query_len,
-        **kw,
-    )
+    """An ``MSADecodePlan`` sized for ``layer``; ``kw`` adds to or overrides its sizes."""
+    sizes = {**plan_sizes(layer), "decode_query_len": layer.decode_query_len}
+    return mm3lab.MSADecodePlan(*_caches(layer), **{**sizes, **kw})
+
+
+def _prefill_plan(layer, num_tokens, **kw):
+    """An ``MSAPrefillPlan`` of ``num_tokens`` rows sized for ``layer``; ``kw`` adds to or overrides its sizes."""
+    return mm3lab.MSAPrefillPlan(*_caches(layer), num_tokens=num_tokens, **{**plan_sizes(layer), **kw})
 
 
 def _run_args(layer, k_cache=None, v_cache=None, index_cache=None, seq_lens=None):
@@ -65,7 +53,7 @@ def _run_args(layer, k_cache=None, v_cache=None, index_cache=None, seq_lens=None
 
 @pytest.mark.parametrize("layout,dql,topk", [("packed", 1, 2), ("dense", 2, 3)])
 def test_decode_plan_is_bit_identical_to_msa_decode(device, layout, dql, topk):
-    layer = _layer(device, layout=layout, dql=dql)
+    layer = small_msa_layer(device, layout=layout, dql=dql)
     kv, kc, vc, ic = _clone_caches(layer)
     want = mm3lab.msa_decode(*_run_args(layer, kc, vc, ic), decode_query_len=dql, topk=topk)
     plan = _decode_plan(layer, topk=topk)
@@ -79,7 +67,7 @@ def test_decode_plan_is_bit_identical_to_msa_decode(device, layout, dql, topk):
 
 
 def test_decode_plan_follows_seq_lens_without_replanning(device):
-    layer = _layer(device, batch=3, context=400)
+    layer = small_msa_layer(device, batch=3, context=400)
     plan = _decode_plan(layer, topk=2)
     for lens in ([400, 437, 474], [129, 1, 300], [0, 200, 0]):  # 0: a padded request (row position -1)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
@@ -91,7 +79,7 @@ def test_decode_plan_follows_seq_lens_without_replanning(device):
 
 
 def test_prefill_plan_is_bit_identical_with_padded_rows(device):
-    layer = _layer(device, batch=2, context=260)
+    layer = small_msa_layer(device, batch=2, context=260)
     req = torch.tensor([0, 0, 1, 1, 0], dtype=torch.int32, device=device)
     pos = torch.tensor([255, 258, 100, -1, 259], dtype=torch.int32, device=device)
     n = req.shape[0]
@@ -104,36 +92,15 @@ def test_prefill_plan_is_bit_identical_with_padded_rows(device):
     index_q, index_k = rnd(n, 2, 16), rnd(n, 16)
     _, kc, vc, ic = _clone_caches(layer)
     want = mm3lab.msa_prefill(q, key, value, index_q, index_k, kc, vc, ic, layer.block_table, req, pos, topk=2)
-    plan = mm3lab.MSAPrefillPlan(
-        layer.cache.k_cache,
-        layer.cache.v_cache,
-        layer.index_cache,
-        num_tokens=n,
-        batch=2,
-        max_blocks=layer.block_table.shape[1],
-        num_q_heads=4,
-        topk=2,
-    )
-    got = plan.run(
-        q,
-        key,
-        value,
-        index_q,
-        index_k,
-        layer.cache.k_cache,
-        layer.cache.v_cache,
-        layer.index_cache,
-        layer.block_table,
-        req,
-        pos,
-    )
+    plan = _prefill_plan(layer, n, topk=2)
+    got = plan.run(q, key, value, index_q, index_k, *_caches(layer), layer.block_table, req, pos)
     assert torch.equal(got, want)
     assert torch.equal(plan.slots, token_slots(layer.block_table, req, pos))
     assert int(plan.slots[3]) == -1 and bool((plan.topk_idx[:, 3] == -1).all())
 
 
 def test_wrong_shape_dtype_or_cache_after_planning_is_rejected(device):
-    layer = _layer(device)
+    layer = small_msa_layer(device)
     plan = _decode_plan(layer, topk=2)
     args = list(_run_args(layer))
     with pytest.raises(ValueError, match="q: the MSADecodePlan was planned for shape"):
@@ -148,7 +115,7 @@ def test_wrong_shape_dtype_or_cache_after_planning_is_rejected(device):
 
 
 def test_value_checks_run_while_validation_is_on(device):
-    layer = _layer(device)
+    layer = small_msa_layer(device)
     plan = _decode_plan(layer, topk=2)
     too_long = torch.tensor([10_000, 300], dtype=torch.int32, device=device)
     before = layer.cache.kv.clone()
@@ -158,9 +125,9 @@ def test_value_checks_run_while_validation_is_on(device):
 
 
 def test_bad_plans_are_rejected():
-    layer = _layer("cpu")
+    layer = small_msa_layer("cpu")
     with pytest.raises(ValueError, match="not a multiple"):
-        _decode_plan_with(layer, num_q_heads=3)
+        _decode_plan(layer, num_q_heads=3)
     with pytest.raises(TypeError, match="topk"):
         _decode_plan(layer, topk=2.0)
     with pytest.raises(TypeError, match="id_dtype"):
@@ -169,19 +136,8 @@ def test_bad_plans_are_rejected():
         _decode_plan(layer, graph=True)
 
 
-def _decode_plan_with(layer, **kw):
-    return mm3lab.MSADecodePlan(
-        layer.cache.k_cache,
-        layer.cache.v_cache,
-        layer.index_cache,
-        batch=2,
-        max_blocks=layer.block_table.shape[1],
-        **kw,
-    )
-
-
 def test_torch_backend_plan_calls_the_one_shot_path():
-    layer = _layer("cpu")
+    layer = small_msa_layer("cpu")
     _, kc, vc, ic = _clone_caches(layer)
     with mm3lab.use_backend("torch"):
         plan = _decode_plan(layer, topk=2)
@@ -194,7 +150,7 @@ def test_torch_backend_plan_calls_the_one_shot_path():
 
 
 def test_stages_reproduce_the_step(device):
-    layer = _layer(device)
+    layer = small_msa_layer(device)
     plan = _decode_plan(layer, topk=2)
     want = plan.run(*_run_args(layer)).clone()
     stages = plan.stages(*_run_args(layer))
@@ -207,7 +163,7 @@ def test_stages_reproduce_the_step(device):
 
 @pytest.mark.parametrize("dql", [1, 3])
 def test_rows_and_slots_match_the_torch_ops(device, dql):
-    layer = _layer(device, batch=3, context=260)
+    layer = small_msa_layer(device, batch=3, context=260)
     seq_lens = torch.tensor([1, 0, 260], dtype=torch.int32, device=device)
     n = 3 * dql
     req = torch.empty(n, dtype=torch.int32, device=device)
@@ -272,17 +228,8 @@ def _prefill_inputs(device, n, seed=3, hq=4, hkv=2, d=16, di=16):
 
 
 def test_prefill_plan_follows_positions_without_replanning(device):
-    layer = _layer(device, batch=2, context=260)
-    plan = mm3lab.MSAPrefillPlan(
-        layer.cache.k_cache,
-        layer.cache.v_cache,
-        layer.index_cache,
-        num_tokens=4,
-        batch=2,
-        max_blocks=layer.block_table.shape[1],
-        num_q_heads=4,
-        topk=2,
-    )
+    layer = small_msa_layer(device, batch=2, context=260)
+    plan = _prefill_plan(layer, 4, topk=2)
     steps = ([0, 0, 1, 1], [10, 11, 200, 201]), ([1, 0, 0, 1], [-1, 130, 131, -5]), ([0, 1, 1, 1], [259, 0, 1, 2])
     for step, (req, pos) in enumerate(steps):
         req = torch.tensor(req, dtype=torch.int32, device=device)
@@ -290,7 +237,7 @@ def test_prefill_plan_follows_positions_without_replanning(device):
         args = _prefill_inputs(device, 4, seed=step)
         kv, kc, vc, ic = _clone_caches(layer)
         want = mm3lab.msa_prefill(*args, kc, vc, ic, layer.block_table, req, pos, topk=2)
-        got = plan.run(*args, layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, layer.block_table, req, pos)
+        got = plan.run(*args, *_caches(layer), layer.block_table, req, pos)
         assert torch.equal(got, want), step
         assert torch.equal(layer.cache.kv, kv) and torch.equal(layer.index_cache, ic)  # the same cache writes
         padded = (pos < 0).nonzero().flatten()
@@ -303,29 +250,26 @@ def test_plan_kernel_choice_follows_the_one_shot_rule(device, monkeypatch):
     from mm3lab import attention
 
     monkeypatch.setattr(attention, "TILED_MIN_ROWS", 8)
-    layer = _layer(device, batch=1, context=300)
+    layer = small_msa_layer(device, batch=1, context=300)
     n = 16
     req = torch.zeros(n, dtype=torch.int32, device=device)
     pos = torch.arange(300 - n, 300, dtype=torch.int32, device=device)
     args = _prefill_inputs(device, n)
     _, kc, vc, ic = _clone_caches(layer)
     want = mm3lab.msa_prefill(*args, kc, vc, ic, layer.block_table, req, pos, topk=2)
-    kw = {"num_tokens": n, "batch": 1, "max_blocks": layer.block_table.shape[1], "num_q_heads": 4, "topk": 2}
-    plan = mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, **kw)
+    plan = _prefill_plan(layer, n, topk=2)
     assert plan.algorithm is None
-    got = plan.run(*args, *_run_args(layer)[5:8], layer.block_table, req, pos)
+    got = plan.run(*args, *_caches(layer), layer.block_table, req, pos)
     assert torch.equal(got, want)
     for algorithm in ("rows", "tiled"):
-        fixed = mm3lab.MSAPrefillPlan(
-            layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, algorithm=algorithm, **kw
-        )
+        fixed = _prefill_plan(layer, n, topk=2, algorithm=algorithm)
         _, kc, vc, ic = _clone_caches(layer)
         one = mm3lab.msa_prefill(*args, kc, vc, ic, layer.block_table, req, pos, topk=2)
         torch.testing.assert_close(
-            fixed.run(*args, *_run_args(layer)[5:8], layer.block_table, req, pos), one, atol=1e-5, rtol=1e-5
+            fixed.run(*args, *_caches(layer), layer.block_table, req, pos), one, atol=1e-5, rtol=1e-5
         )
     with pytest.raises(ValueError, match="algorithm"):
-        mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, algorithm="fast", **kw)
+        _prefill_plan(layer, n, topk=2, algorithm="fast")
     small = _decode_plan(layer, topk=2)
     assert small.algorithm == "rows"  # below the threshold: always the per-row kernel
 
@@ -337,8 +281,7 @@ def test_graph_prefill_plan_replays_with_changing_positions_and_padded_rows():
         700, batch=2, num_kv_heads=2, group_size=4, head_dim=64, index_dim=32, dtype=torch.bfloat16, device="cuda"
     )
     n = 6
-    kw = {"num_tokens": n, "batch": 2, "max_blocks": layer.block_table.shape[1], "num_q_heads": 8, "topk": 3}
-    plan = mm3lab.MSAPrefillPlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, graph=True, **kw)
+    plan = _prefill_plan(layer, n, topk=3, graph=True)
     steps = (
         ([0, 0, 0, 1, 1, 1], [300, 301, 302, 640, 641, 642]),
         ([1, 1, 0, 0, 1, 0], [-1, 5, 6, -1, 129, 7]),
@@ -355,40 +298,14 @@ def test_graph_prefill_plan_replays_with_changing_positions_and_padded_rows():
         ] + [torch.randn(n, 32, generator=g, device="cuda", dtype=torch.bfloat16)]
         _, kc, vc, ic = _clone_caches(layer)
         want = mm3lab.msa_prefill(*args, kc, vc, ic, layer.block_table, req, pos, topk=3)
-        got = plan.run(
-            *args,
-            layer.cache.k_cache,
-            layer.cache.v_cache,
-            layer.index_cache,
-            layer.block_table,
-            req.clone(),
-            pos.clone(),
-        )
+        got = plan.run(*args, *_caches(layer), layer.block_table, req.clone(), pos.clone())
         assert torch.equal(got, want), step
         graph = graph or plan._cuda_graph
     assert plan._cuda_graph is graph  # replayed, never re-captured
     with pytest.raises(ValueError, match="planned for shape"):
-        plan.run(
-            *[a[:-1] for a in args],
-            layer.cache.k_cache,
-            layer.cache.v_cache,
-            layer.index_cache,
-            layer.block_table,
-            req[:-1],
-            pos[:-1],
-        )
+        plan.run(*[a[:-1] for a in args], *_caches(layer), layer.block_table, req[:-1], pos[:-1])
     assert plan._cuda_graph is graph
     with pytest.raises(ValueError, match="planned on cuda"):
-        plan.run(
-            *[a.cpu() for a in args],
-            layer.cache.k_cache,
-            layer.cache.v_cache,
-            layer.index_cache,
-            layer.block_table,
-            req,
-            pos,
-        )
+        plan.run(*[a.cpu() for a in args], *_caches(layer), layer.block_table, req, pos)
     with pytest.raises(ValueError, match="needs algorithm"):
-        mm3lab.MSAPrefillPlan(
-            layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, graph=True, **{**kw, "num_tokens": 4096}
-        )
+        _prefill_plan(layer, 4096, topk=3, graph=True)

@@ -228,15 +228,13 @@ def test_show_selection_prints_and_draws(capsys):
         vs.show_selection("needle", query_position=512, seq_len=512)
 
 
-def test_selection_widget_redraws_on_every_control(capsys):
+def test_selection_widget_redraws_on_every_control(capsys, draw_widget):
     pytest.importorskip("ipywidgets")
     from mm3lab.widgets.selection import selection_widget
 
     w = selection_widget(seq_len=512, topk=2, query_position=300)
-    controls = {c.description: c for c in w.children if getattr(c, "description", "")}
+    controls, first = draw_widget(w)
     assert set(controls) == {"pattern", "top-k", "init blocks", "local blocks", "query p", "head"}
-    w.update()
-    first = w.result
     assert isinstance(first, Figure) and "needle: scores and top-2" in first.axes[0].get_title()
     controls["pattern"].value = "sink"
     assert w.result is not first and w.result.axes[0].get_title().startswith("sink")
