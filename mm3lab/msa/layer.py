@@ -293,6 +293,20 @@ def run_layer(
     return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)
 
 
+def call_layer(steps, arguments: dict):
+    """:func:`run_layer` given every argument of :func:`msa_decode` or :func:`msa_prefill` by name.
+
+    The rows are decode rows when ``arguments`` holds ``seq_lens``, else prefill rows; the
+    public functions and their reference twins (:mod:`mm3lab.msa.reference`) all call this.
+    """
+    named = dict(arguments)
+    if "seq_lens" in named:
+        rows = ("decode", named.pop("seq_lens"), named.pop("decode_query_len"))
+    else:
+        rows = ("prefill", named.pop("query_req_id"), named.pop("query_abs_pos"))
+    return run_layer(steps, rows, **named)
+
+
 def msa_decode(
     q: torch.Tensor,
     key: torch.Tensor,
@@ -339,28 +353,7 @@ def msa_decode(
     Returns:
         ``out [N, Hq, D]`` in q's dtype, or ``(out, MSAStep)``.
     """
-    return run_layer(
-        KERNEL_STEPS,
-        ("decode", seq_lens, decode_query_len),
-        q,
-        key,
-        value,
-        index_q,
-        index_k,
-        k_cache,
-        v_cache,
-        index_cache,
-        block_table,
-        topk=topk,
-        init_blocks=init_blocks,
-        local_blocks=local_blocks,
-        scale=scale,
-        return_intermediates=return_intermediates,
-        index_scale=index_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
-
+    return call_layer(KERNEL_STEPS, locals())
 
 def msa_prefill(
     q: torch.Tensor,
@@ -395,24 +388,4 @@ def msa_prefill(
     Returns:
         ``out [N, Hq, D]``, or ``(out, MSAStep)``.
     """
-    return run_layer(
-        KERNEL_STEPS,
-        ("prefill", query_req_id, query_abs_pos),
-        q,
-        key,
-        value,
-        index_q,
-        index_k,
-        k_cache,
-        v_cache,
-        index_cache,
-        block_table,
-        topk=topk,
-        init_blocks=init_blocks,
-        local_blocks=local_blocks,
-        scale=scale,
-        return_intermediates=return_intermediates,
-        index_scale=index_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    return call_layer(KERNEL_STEPS, locals())
