@@ -40,14 +40,14 @@ def _steps():
 
 def _twin(layer_function):
     """``layer_function`` (:func:`mm3lab.msa_decode` or ``msa_prefill``) on the reference steps:
-    the same signature and argument binding, then :func:`mm3lab.msa.layer.call_layer`."""
+    the same signature and argument binding, then :func:`mm3lab.msa.layer.run_layer`."""
     signature = inspect.signature(layer_function)
 
     @functools.wraps(layer_function)
     def twin(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        return layer.call_layer(_steps(), bound.arguments)
+        return layer.run_layer(_steps(), bound.arguments)
 
     twin.__module__ = __name__
     twin.__doc__ = f":func:`mm3lab.{layer_function.__name__}` from the reference steps (:mod:`mm3lab.reference`)."
