@@ -159,19 +159,108 @@ def _segment(
         tl.atomic_max(flags_ptr + flag + 1, tl.where(total_mod > 0, 1, 0))
 
 
-@triton.jit(do_not_specialize=["ints"])  # the sizes, strides and bounds change from call to call
+_SEG_TENSORS = ("t", "aux", "pos")
+_SEG_INTS = ("n1", "s0", "s1", "s2", "R", "C", "a0", "a1", "p0", "unit", "lo", "hi", "mod", "modl", "flag")
+# (flat, not tuples: Triton specializes every int inside a tuple argument, do_not_specialize or not)
+_INT_ARGS = [f"{name}{i}" for i in range(MAX_SEGMENTS) for name in _SEG_INTS]
+
+
+@triton.jit(do_not_specialize=_INT_ARGS)  # the sizes, strides and bounds change from call to call
 def _valcheck_kernel(
     flags_ptr,
-    tensors,
-    ints,
+    t0,
+    aux0,
+    pos0,
+    n10,
+    s00,
+    s10,
+    s20,
+    R0,
+    C0,
+    a00,
+    a10,
+    p00,
+    unit0,
+    lo0,
+    hi0,
+    mod0,
+    modl0,
+    flag0,
+    t1,
+    aux1,
+    pos1,
+    n11,
+    s01,
+    s11,
+    s21,
+    R1,
+    C1,
+    a01,
+    a11,
+    p01,
+    unit1,
+    lo1,
+    hi1,
+    mod1,
+    modl1,
+    flag1,
+    t2,
+    aux2,
+    pos2,
+    n12,
+    s02,
+    s12,
+    s22,
+    R2,
+    C2,
+    a02,
+    a12,
+    p02,
+    unit2,
+    lo2,
+    hi2,
+    mod2,
+    modl2,
+    flag2,
+    t3,
+    aux3,
+    pos3,
+    n13,
+    s03,
+    s13,
+    s23,
+    R3,
+    C3,
+    a03,
+    a13,
+    p03,
+    unit3,
+    lo3,
+    hi3,
+    mod3,
+    modl3,
+    flag3,
     MODES: tl.constexpr,
     HAS_MOD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """``MAX_SEGMENTS`` slots: slot ``i`` checks ``tensors[i]`` / ``ints[i]`` unless ``MODES[i]`` is 0 (unused)."""
+    """``MAX_SEGMENTS`` slots, each :data:`_SEG_TENSORS` + :data:`_SEG_INTS` (as :func:`_kernel_args` lays them
+    out), its ``MODES`` entry (0: unused) and ``HAS_MOD`` entry; one :func:`_segment` per slot."""
     pid = tl.program_id(0)
-    for i in tl.static_range(MAX_SEGMENTS):
+    tensors = (
+        (t0, aux0, pos0),
+        (t1, aux1, pos1),
+        (t2, aux2, pos2),
+        (t3, aux3, pos3),
+    )
+    ints = (
+        (n10, s00, s10, s20, R0, C0, a00, a10, p00, unit0, lo0, hi0, mod0, modl0, flag0),
+        (n11, s01, s11, s21, R1, C1, a01, a11, p01, unit1, lo1, hi1, mod1, modl1, flag1),
+        (n12, s02, s12, s22, R2, C2, a02, a12, p02, unit2, lo2, hi2, mod2, modl2, flag2),
+        (n13, s03, s13, s23, R3, C3, a03, a13, p03, unit3, lo3, hi3, mod3, modl3, flag3),
+    )
+    for i in tl.static_range(len(MODES)):
         if MODES[i] != 0:
             _segment(flags_ptr, pid, tensors[i], ints[i], MODES[i], HAS_MOD[i], BLOCK_R, BLOCK_C)
 
@@ -200,8 +289,8 @@ def _aux_strides(seg: Segment) -> tuple[int, int]:
 
 
 def _kernel_args(seg: Segment, flag: int, dummy: torch.Tensor) -> tuple[tuple, tuple, int, bool]:
-    """``(tensors, ints, mode, has_mod)`` of one slot: ``tensors = (t, aux, pos)``, ``ints = (n1, s0, s1, s2,
-    R, C, a0, a1, p0, unit, lo, hi, modulus, mod_limit, flag)`` (``R``: the rows the slot checks)."""
+    """``(tensors, ints, mode, has_mod)`` of one slot: ``tensors`` as :data:`_SEG_TENSORS`, ``ints`` as
+    :data:`_SEG_INTS` (``R``: the rows the slot checks)."""
     lo = I64_MIN if seg.lo is None else seg.lo
     hi = I64_MAX if seg.hi is None else seg.hi
     if seg.kind in ("gather", "gather_last"):
@@ -231,8 +320,9 @@ def _run_kernel(segments: list[Segment], flags_buf: torch.Tensor) -> None:
     slots += [unused] * (MAX_SEGMENTS - len(segments))
     tensors, ints, modes, has_mod = zip(*slots, strict=True)
     rows = max(1, *(slot_ints[4] for slot_ints in ints))
+    flat = [arg for slot_tensors, slot_ints in zip(tensors, ints, strict=True) for arg in (*slot_tensors, *slot_ints)]
     _valcheck_kernel[(triton.cdiv(rows, _BLOCK_R),)](
-        flags_buf, tensors, ints, modes, has_mod, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C
+        flags_buf, *flat, modes, has_mod, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C
     )
 
 
