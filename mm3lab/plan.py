@@ -76,7 +76,7 @@ __all__ = ["MSADecodePlan", "MSAPrefillPlan"]
 
 
 _TENSOR_INPUTS = ("q", "key", "value", "index_q", "index_k")
-"""A run's first inputs, then the caches, ``block_table`` and the rows (as the one-shot functions take them)."""
+"""A run's first arguments (then come the caches, ``block_table`` and the rows, as in the one-shot functions)."""
 _CACHE_NAMES = ("k_cache", "v_cache", "index_cache", "index_scale", "k_scale", "v_scale")
 """The caches and their scales, as a plan holds them (``caches`` tuples) and the one-shot functions name them."""
 _SHARED_ARGUMENTS = (
@@ -390,11 +390,14 @@ class _MSAPlan:
         from .indexer.kernel import topk_kernel
 
         req, pos, dql = self._row_inputs(inputs)
+        tables = {}
         if table:
-            tables = {"block_table": inputs["block_table"], "block_page_stride": self.block_page_stride}
-            tables.update(sparse_bt=self.sparse_bt, sparse_ctx=self.sparse_ctx)
-        else:
-            tables = {}
+            tables = {
+                "block_table": inputs["block_table"],
+                "block_page_stride": self.block_page_stride,
+                "sparse_bt": self.sparse_bt,
+                "sparse_ctx": self.sparse_ctx,
+            }
         positions = 2 if self._prefill else 1
         topk_kernel(
             self.scores,
