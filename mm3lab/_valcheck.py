@@ -105,29 +105,16 @@ class Segment:
 def _segment(
     flags_ptr,
     pid,
-    t_ptr,
-    n1,
-    s0,
-    s1,
-    s2,
-    R,
-    C,
-    aux_ptr,
-    a0,
-    a1,
-    pos_ptr,
-    p0,
-    unit,
-    lo,
-    hi,
-    modulus,
-    mod_limit,
-    flag,
+    tensors,
+    ints,
     MODE: tl.constexpr,
     HAS_MOD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    """One segment: ``tensors = (t, aux, pos)`` and ``ints`` as :func:`_kernel_args` lays them out."""
+    t_ptr, aux_ptr, pos_ptr = tensors
+    n1, s0, s1, s2, R, C, a0, a1, p0, unit, lo, hi, modulus, mod_limit, flag = ints
     rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     rok = rows < R
     if MODE == 4 or MODE == 5:  # rows of a block table (n1 = its B rows) reached through (req, pos)
@@ -172,43 +159,26 @@ def _segment(
         tl.atomic_max(flags_ptr + flag + 1, tl.where(total_mod > 0, 1, 0))
 
 
-_SEG_ARGS = (
-    "t",
-    "n1",
-    "s0",
-    "s1",
-    "s2",
-    "R",
-    "C",
-    "aux",
-    "a0",
-    "a1",
-    "pos",
-    "p0",
-    "unit",
-    "lo",
-    "hi",
-    "mod",
-    "modl",
-    "flag",
-)
-_INT_ARGS = [f"{name}{i}" for i in range(MAX_SEGMENTS) for name in _SEG_ARGS if name not in ("t", "aux", "pos")]
+_SEG_TENSORS = ("t", "aux", "pos")
+_SEG_INTS = ("n1", "s0", "s1", "s2", "R", "C", "a0", "a1", "p0", "unit", "lo", "hi", "mod", "modl", "flag")
+# (flat, not tuples: Triton specializes every int inside a tuple argument, do_not_specialize or not)
+_INT_ARGS = [f"{name}{i}" for i in range(MAX_SEGMENTS) for name in _SEG_INTS]
 
 
-@triton.jit(do_not_specialize=_INT_ARGS)
+@triton.jit(do_not_specialize=_INT_ARGS)  # the sizes, strides and bounds change from call to call
 def _valcheck_kernel(
     flags_ptr,
     t0,
+    aux0,
+    pos0,
     n10,
     s00,
     s10,
     s20,
     R0,
     C0,
-    aux0,
     a00,
     a10,
-    pos0,
     p00,
     unit0,
     lo0,
@@ -217,16 +187,16 @@ def _valcheck_kernel(
     modl0,
     flag0,
     t1,
+    aux1,
+    pos1,
     n11,
     s01,
     s11,
     s21,
     R1,
     C1,
-    aux1,
     a01,
     a11,
-    pos1,
     p01,
     unit1,
     lo1,
@@ -235,16 +205,16 @@ def _valcheck_kernel(
     modl1,
     flag1,
     t2,
+    aux2,
+    pos2,
     n12,
     s02,
     s12,
     s22,
     R2,
     C2,
-    aux2,
     a02,
     a12,
-    pos2,
     p02,
     unit2,
     lo2,
@@ -253,16 +223,16 @@ def _valcheck_kernel(
     modl2,
     flag2,
     t3,
+    aux3,
+    pos3,
     n13,
     s03,
     s13,
     s23,
     R3,
     C3,
-    aux3,
     a03,
     a13,
-    pos3,
     p03,
     unit3,
     lo3,
@@ -270,126 +240,29 @@ def _valcheck_kernel(
     mod3,
     modl3,
     flag3,
-    MODE0: tl.constexpr,
-    MODE1: tl.constexpr,
-    MODE2: tl.constexpr,
-    MODE3: tl.constexpr,
-    HM0: tl.constexpr,
-    HM1: tl.constexpr,
-    HM2: tl.constexpr,
-    HM3: tl.constexpr,
+    MODES: tl.constexpr,
+    HAS_MOD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    """``MAX_SEGMENTS`` slots, each :data:`_SEG_TENSORS` + :data:`_SEG_INTS` (as :func:`_kernel_args` lays them
+    out), its ``MODES`` entry (0: unused) and ``HAS_MOD`` entry; one :func:`_segment` per slot."""
     pid = tl.program_id(0)
-    if MODE0 != 0:
-        _segment(
-            flags_ptr,
-            pid,
-            t0,
-            n10,
-            s00,
-            s10,
-            s20,
-            R0,
-            C0,
-            aux0,
-            a00,
-            a10,
-            pos0,
-            p00,
-            unit0,
-            lo0,
-            hi0,
-            mod0,
-            modl0,
-            flag0,
-            MODE0,
-            HM0,
-            BLOCK_R,
-            BLOCK_C,
-        )
-    if MODE1 != 0:
-        _segment(
-            flags_ptr,
-            pid,
-            t1,
-            n11,
-            s01,
-            s11,
-            s21,
-            R1,
-            C1,
-            aux1,
-            a01,
-            a11,
-            pos1,
-            p01,
-            unit1,
-            lo1,
-            hi1,
-            mod1,
-            modl1,
-            flag1,
-            MODE1,
-            HM1,
-            BLOCK_R,
-            BLOCK_C,
-        )
-    if MODE2 != 0:
-        _segment(
-            flags_ptr,
-            pid,
-            t2,
-            n12,
-            s02,
-            s12,
-            s22,
-            R2,
-            C2,
-            aux2,
-            a02,
-            a12,
-            pos2,
-            p02,
-            unit2,
-            lo2,
-            hi2,
-            mod2,
-            modl2,
-            flag2,
-            MODE2,
-            HM2,
-            BLOCK_R,
-            BLOCK_C,
-        )
-    if MODE3 != 0:
-        _segment(
-            flags_ptr,
-            pid,
-            t3,
-            n13,
-            s03,
-            s13,
-            s23,
-            R3,
-            C3,
-            aux3,
-            a03,
-            a13,
-            pos3,
-            p03,
-            unit3,
-            lo3,
-            hi3,
-            mod3,
-            modl3,
-            flag3,
-            MODE3,
-            HM3,
-            BLOCK_R,
-            BLOCK_C,
-        )
+    tensors = (
+        (t0, aux0, pos0),
+        (t1, aux1, pos1),
+        (t2, aux2, pos2),
+        (t3, aux3, pos3),
+    )
+    ints = (
+        (n10, s00, s10, s20, R0, C0, a00, a10, p00, unit0, lo0, hi0, mod0, modl0, flag0),
+        (n11, s01, s11, s21, R1, C1, a01, a11, p01, unit1, lo1, hi1, mod1, modl1, flag1),
+        (n12, s02, s12, s22, R2, C2, a02, a12, p02, unit2, lo2, hi2, mod2, modl2, flag2),
+        (n13, s03, s13, s23, R3, C3, a03, a13, p03, unit3, lo3, hi3, mod3, modl3, flag3),
+    )
+    for i in tl.static_range(len(MODES)):
+        if MODES[i] != 0:
+            _segment(flags_ptr, pid, tensors[i], ints[i], MODES[i], HAS_MOD[i], BLOCK_R, BLOCK_C)
 
 
 _BLOCK_R = 32
@@ -415,28 +288,17 @@ def _aux_strides(seg: Segment) -> tuple[int, int]:
     return 0, aux.stride(0)
 
 
-def _kernel_args(seg: Segment, flag: int, dummy: torch.Tensor) -> tuple[list, int, bool, int]:
+def _kernel_args(seg: Segment, flag: int, dummy: torch.Tensor) -> tuple[tuple, tuple, int, bool]:
+    """``(tensors, ints, mode, has_mod)`` of one slot: ``tensors`` as :data:`_SEG_TENSORS`, ``ints`` as
+    :data:`_SEG_INTS` (``R``: the rows the slot checks)."""
     lo = I64_MIN if seg.lo is None else seg.lo
     hi = I64_MAX if seg.hi is None else seg.hi
     if seg.kind in ("gather", "gather_last"):
         bt = seg.t
         b, m = bt.shape
-        rows = seg.aux.shape[0]
         # n1 carries B here (the live test is req < n1)
-        args = [
-            bt,
-            b,
-            bt.stride(0),
-            0,
-            bt.stride(1),
-            seg.aux.shape[0],
-            m,
-            seg.aux,
-            seg.aux.stride(0),
-            0,
-            seg.pos,
-            seg.pos.stride(0),
-        ]
+        tensors = (bt, seg.aux, seg.pos)
+        ints = (b, bt.stride(0), 0, bt.stride(1), seg.aux.shape[0], m, seg.aux.stride(0), 0, seg.pos.stride(0))
     else:
         t, n1, s0, s1, s2, rows, c = _as_rows(seg.t)
         if seg.kind == "len":
@@ -446,32 +308,21 @@ def _kernel_args(seg: Segment, flag: int, dummy: torch.Tensor) -> tuple[list, in
             a0, a1, aux = seg.aux.stride(0), 0, seg.aux
         else:
             a0, a1, aux = 0, 0, dummy
-        args = [t, n1, s0, s1, s2, rows, c, aux, a0, a1, dummy, 0]
-    args += [max(seg.unit, 1), lo, hi, max(seg.modulus, 1), seg.mod_limit, flag]
-    return args, _MODE[seg.kind], seg.modulus > 0, args[5]
+        tensors, ints = (t, aux, dummy), (n1, s0, s1, s2, rows, c, a0, a1, 0)
+    ints += (max(seg.unit, 1), lo, hi, max(seg.modulus, 1), seg.mod_limit, flag)
+    return tensors, ints, _MODE[seg.kind], seg.modulus > 0
 
 
 def _run_kernel(segments: list[Segment], flags_buf: torch.Tensor) -> None:
     dummy = flags_buf
-    all_args, modes, has_mod = [], [], []
-    rows = 1
-    for i in range(MAX_SEGMENTS):
-        if i < len(segments):
-            args, mode, hm, r = _kernel_args(segments[i], 2 * i, dummy)
-            rows = max(rows, r)
-        else:
-            args, mode, hm = [dummy, 1, 0, 0, 0, 0, 0, dummy, 0, 0, dummy, 0, 1, 0, 0, 1, 0, 0], 0, False
-        all_args += args
-        modes.append(mode)
-        has_mod.append(hm)
-    grid = (triton.cdiv(rows, _BLOCK_R),)
-    _valcheck_kernel[grid](
-        flags_buf,
-        *all_args,
-        *modes,
-        *has_mod,
-        BLOCK_R=_BLOCK_R,
-        BLOCK_C=_BLOCK_C,
+    unused = ((dummy, dummy, dummy), (1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0), 0, False)
+    slots = [_kernel_args(seg, 2 * i, dummy) for i, seg in enumerate(segments)]
+    slots += [unused] * (MAX_SEGMENTS - len(segments))
+    tensors, ints, modes, has_mod = zip(*slots, strict=True)
+    rows = max(1, *(slot_ints[4] for slot_ints in ints))
+    flat = [arg for slot_tensors, slot_ints in zip(tensors, ints, strict=True) for arg in (*slot_tensors, *slot_ints)]
+    _valcheck_kernel[(triton.cdiv(rows, _BLOCK_R),)](
+        flags_buf, *flat, modes, has_mod, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C
     )
 
 

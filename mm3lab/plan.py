@@ -75,6 +75,37 @@ from .rows import rows_and_slots
 __all__ = ["MSADecodePlan", "MSAPrefillPlan"]
 
 
+_TENSOR_INPUTS = ("q", "key", "value", "index_q", "index_k")
+"""A run's first arguments (then come the caches, ``block_table`` and the rows, as in the one-shot functions)."""
+_CACHE_NAMES = ("k_cache", "v_cache", "index_cache", "index_scale", "k_scale", "v_scale")
+"""The caches and their scales, as a plan holds them (``caches`` tuples) and the one-shot functions name them."""
+_SHARED_ARGUMENTS = (
+    "k_cache",
+    "v_cache",
+    "index_cache",
+    "batch",
+    "max_blocks",
+    "num_q_heads",
+    "topk",
+    "init_blocks",
+    "local_blocks",
+    "scale",
+    "id_dtype",
+    "graph",
+    "algorithm",
+    "index_scale",
+    "k_scale",
+    "v_scale",
+    "query_dtype",
+)
+"""The constructor arguments both plans hand to :class:`_MSAPlan` as they are."""
+
+
+def _shared(arguments: dict) -> dict:
+    """The :data:`_SHARED_ARGUMENTS` of a plan constructor's arguments (its ``locals()``)."""
+    return {name: arguments[name] for name in _SHARED_ARGUMENTS}
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -87,6 +118,7 @@ class _MSAPlan:
     """What decode and prefill plans share; see the module docstring."""
 
     _prefill = False
+    _ROW_INPUTS: tuple[str, ...] = ()  # the rows' inputs, after ``block_table`` (as the one-shot function takes them)
 
     def __init__(
         self,
@@ -105,6 +137,7 @@ class _MSAPlan:
         scale,
         id_dtype,
         graph: bool,
+        algorithm,
         index_scale=None,
         k_scale=None,
         v_scale=None,
@@ -161,12 +194,12 @@ class _MSAPlan:
                 "which allocates per call; use graph=False"
             )
         self.graph = graph
-        self._caches = (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale)
         self._cache_prints = tuple(None if t is None else _fingerprint(t) for t in self._caches)
         self._allocate()
         self._cuda_graph = None
         self._captured_with = None
         self._recording = None
+        self._set_algorithm(algorithm)
 
     # --- construction ----------------------------------------------------------------------
 
@@ -264,8 +297,7 @@ class _MSAPlan:
                 )
             if t.device != self.device:
                 raise ValueError(f"{name}: the {kind} was planned on {self.device}, got a tensor on {t.device}")
-        names = ("k_cache", "v_cache", "index_cache", "index_scale", "k_scale", "v_scale")
-        for name, t, planned in zip(names, caches, self._cache_prints, strict=True):
+        for name, t, planned in zip(_CACHE_NAMES, caches, self._cache_prints, strict=True):
             if planned is None:
                 if t is not None:
                     raise ValueError(f"{name}: the {kind} was planned without it (not an FP8 cache), pass None")
@@ -281,35 +313,68 @@ class _MSAPlan:
                     f"{dtype_name(got[2])} on {got[3]}"
                 )
 
+    def _row_inputs(self, inputs: dict) -> tuple:
+        """``(req, pos, decode_query_len)`` as the kernels read them: a prefill's rows, or a decode's
+        ``seq_lens`` twice (its rows are derived from it)."""
+        if self._prefill:
+            return inputs["query_req_id"], inputs["query_abs_pos"], 1
+        return inputs["seq_lens"], inputs["seq_lens"], self.decode_query_len
+
     def _value_checks(self, inputs: dict) -> None:
-        raise NotImplementedError
+        from .indexer.checks import check_decode, check_prefill
+
+        check, extra = (check_prefill, ()) if self._prefill else (check_decode, (self.decode_query_len,))
+        check(
+            inputs["index_q"],
+            self._caches[2],
+            inputs["block_table"],
+            *(inputs[name] for name in self._ROW_INPUTS),
+            self.topk,
+            *extra,
+            self.init_blocks,
+            self.local_blocks,
+            self._caches[3],
+        )
 
     def _one_shot(self, inputs: dict, caches):
-        raise NotImplementedError
+        """The one-shot function on the run's arguments (every input and cache by its name there)."""
+        from .msa import msa_decode, msa_prefill
 
-    def _launch(self, inputs: dict, caches) -> None:
-        """The step's kernels, into the plan's buffers (arguments already checked; allocates nothing)."""
+        if self._prefill:
+            function, extra = msa_prefill, {}
+        else:
+            function, extra = msa_decode, {"decode_query_len": self.decode_query_len}
+        selection = {"topk": self.topk, "init_blocks": self.init_blocks, "local_blocks": self.local_blocks}
+        caches = dict(zip(_CACHE_NAMES, caches, strict=True))
+        return function(**inputs, **caches, **selection, scale=self.scale, **extra)
+
+    # --- the step's launches (arguments already checked; they allocate nothing) ---------------
+
+    def _insert(self, inputs: dict, caches) -> None:
+        """Rows and slots, index-cache insert, KV write."""
         from .index_cache.kernel import insert_index_cache_kernel
-        from .indexer.kernel import index_scores_kernel, topk_kernel
         from .layout.kernel import write_kv_page16_kernel
 
         k_cache, v_cache, index_cache, index_scale, k_scale, v_scale = caches
         bt = inputs["block_table"]
         if self._prefill:
-            req, pos, dql, lens = inputs["query_req_id"], inputs["query_abs_pos"], 1, None
-            rows_and_slots(bt, req, pos, self.slots)
+            rows_and_slots(bt, inputs["query_req_id"], inputs["query_abs_pos"], self.slots)
         else:
-            lens, dql = inputs["seq_lens"], self.decode_query_len
-            req = pos = lens  # what the decode kernels read (rows are derived from seq_lens)
-            rows_and_slots(bt, self.req, self.pos, self.slots, seq_lens=lens, decode_query_len=dql)
+            dql = self.decode_query_len
+            rows_and_slots(bt, self.req, self.pos, self.slots, seq_lens=inputs["seq_lens"], decode_query_len=dql)
         insert_index_cache_kernel(inputs["index_k"], index_cache, self.slots, index_scale)
         write_kv_page16_kernel(
             inputs["key"], inputs["value"], k_cache, v_cache, self.slots, self.block_page_stride, k_scale, v_scale
         )
+
+    def _scores(self, inputs: dict, caches) -> None:
+        from .indexer.kernel import index_scores_kernel
+
+        req, pos, dql = self._row_inputs(inputs)
         index_scores_kernel(
             inputs["index_q"],
-            index_cache,
-            bt,
+            caches[2],
+            inputs["block_table"],
             req,
             pos,
             dql,
@@ -318,23 +383,52 @@ class _MSAPlan:
             self.local_blocks,
             True,
             self.scores,
-            index_scale=index_scale,
+            index_scale=caches[3],
         )
+
+    def _topk(self, inputs: dict, *, table: bool = True) -> None:
+        """Top-k into ``plan.topk_idx``, with the sparse block table fused in (``table``) or alone."""
+        from .indexer.kernel import topk_kernel
+
+        req, pos, dql = self._row_inputs(inputs)
+        tables = {}
+        if table:
+            tables = {
+                "block_table": inputs["block_table"],
+                "block_page_stride": self.block_page_stride,
+                "sparse_bt": self.sparse_bt,
+                "sparse_ctx": self.sparse_ctx,
+            }
+        positions = 2 if self._prefill else 1
         topk_kernel(
             self.scores,
             self.topk,
             self.topk_idx,
-            positions=2 if self._prefill else 1,
+            positions=positions,
             req=req,
             pos=pos,
             batch=self.batch,
             dql=dql,
-            block_table=bt,
-            block_page_stride=self.block_page_stride,
-            sparse_bt=self.sparse_bt,
-            sparse_ctx=self.sparse_ctx,
+            **tables,
         )
-        self._attend(inputs["q"], k_cache, v_cache, k_scale, v_scale)
+
+    def _block_table(self, inputs: dict) -> None:
+        """The sparse block table alone, from ``plan.topk_idx`` (the step fuses it into :meth:`_topk`)."""
+        from .block_table.kernel import build_sparse_block_table_decode_kernel, build_sparse_block_table_prefill_kernel
+
+        req, pos, dql = self._row_inputs(inputs)
+        bt, tables = inputs["block_table"], (self.block_page_stride, self.sparse_bt, self.sparse_ctx)
+        if self._prefill:
+            build_sparse_block_table_prefill_kernel(self.topk_idx, bt, req, pos, *tables)
+        else:
+            build_sparse_block_table_decode_kernel(self.topk_idx, bt, req, dql, *tables)
+
+    def _launch(self, inputs: dict, caches) -> None:
+        """The step's kernels, into the plan's buffers (arguments already checked; allocates nothing)."""
+        self._insert(inputs, caches)
+        self._scores(inputs, caches)
+        self._topk(inputs)
+        self._attend(inputs["q"], caches, self.algorithm)
 
     def _set_algorithm(self, algorithm) -> None:
         """Fix the attention kernel: ``algorithm`` if given; ``"rows"`` below ``TILED_MIN_ROWS`` rows (what
@@ -355,35 +449,22 @@ class _MSAPlan:
             )
         self.algorithm = algorithm
 
-    def _attend(self, q, k_cache, v_cache, k_scale=None, v_scale=None) -> None:
-        """Attention into ``plan.out`` / ``plan.lse`` with the kernel the one-shot call runs (``algorithm``;
-        an FP8 KV cache always takes the per-row kernel, as the one-shot call does)."""
+    def _attend(self, q, caches, algorithm) -> None:
+        """Attention into ``plan.out`` / ``plan.lse`` with ``algorithm`` (``None``: the one-shot rule; an FP8
+        KV cache always takes the per-row kernel, as the one-shot call does)."""
         from .attention import choose_algorithm, tiled
         from .attention.kernel import sparse_attention_kernel
 
-        algorithm = self.algorithm
+        k_cache, v_cache, _, _, k_scale, v_scale = caches
         if algorithm is None:  # eager, >= TILED_MIN_ROWS rows: the one-shot rule
             algorithm = choose_algorithm(
                 self.rows, share=lambda: float(tiled.neighbour_share(self.sparse_bt, self.sparse_ctx))
             )
+        tables = (self.sparse_bt, self.sparse_ctx, self.scale, self.out, self.lse)
         if algorithm == "tiled" and k_scale is None:
-            tiled.tiled_attention_kernel(
-                q, k_cache, v_cache, self.sparse_bt, self.sparse_ctx, self.scale, self.out, self.lse
-            )
+            tiled.tiled_attention_kernel(q, k_cache, v_cache, *tables)
         else:
-            sparse_attention_kernel(
-                q,
-                k_cache,
-                v_cache,
-                self.sparse_bt,
-                self.sparse_ctx,
-                self.scale,
-                self.out,
-                self.lse,
-                k_scale,
-                v_scale,
-                workspace=self.workspace,
-            )
+            sparse_attention_kernel(q, k_cache, v_cache, *tables, k_scale, v_scale, workspace=self.workspace)
 
     def _run(self, inputs: dict, caches):
         self._check_inputs(inputs, caches)
@@ -430,102 +511,28 @@ class _MSAPlan:
             self._launch(self._static, caches)
         self._cuda_graph = graph
 
-    def stages(self, inputs: dict, caches) -> dict:
+    def _inputs(self, *tensors) -> dict:
+        """``run``'s tensor inputs by name: ``q, key, value, index_q, index_k, block_table`` and the rows."""
+        return dict(zip((*_TENSOR_INPUTS, "block_table", *self._ROW_INPUTS), tensors, strict=True))
+
+    def _stages(self, inputs: dict, caches) -> dict:
         """The step's launches one by one, as zero-argument callables (for per-stage timing).
 
         ``insert`` (rows and slots, index-cache insert, KV write), ``indexer_scores``, ``topk``
         (top-k alone), ``block_table`` (the sparse block table from ``plan.topk_idx``),
-        ``topk_block_table`` (the fused launch the step runs), ``attention``. Each writes the
-        plan's buffers and allocates nothing; inputs are not checked.
+        ``topk_block_table`` (the fused launch the step runs), ``attention`` (the per-row kernel).
+        Each writes the plan's buffers and allocates nothing.
         """
+        self._check_inputs(inputs, caches)
         if not self.uses_kernels:
             raise ValueError("stages: this plan runs the PyTorch path; its steps are not separate launches")
-        from .attention.kernel import sparse_attention_kernel
-        from .block_table.kernel import build_sparse_block_table_decode_kernel, build_sparse_block_table_prefill_kernel
-        from .index_cache.kernel import insert_index_cache_kernel
-        from .indexer.kernel import index_scores_kernel, topk_kernel
-        from .layout.kernel import write_kv_page16_kernel
-
-        k_cache, v_cache, index_cache, index_scale, k_scale, v_scale = caches
-        bt = inputs["block_table"]
-        if self._prefill:
-            req, pos, dql = inputs["query_req_id"], inputs["query_abs_pos"], 1
-
-            def rows():
-                rows_and_slots(bt, req, pos, self.slots)
-
-            def table():
-                build_sparse_block_table_prefill_kernel(
-                    self.topk_idx, bt, req, pos, self.block_page_stride, self.sparse_bt, self.sparse_ctx
-                )
-        else:
-            lens, dql = inputs["seq_lens"], self.decode_query_len
-            req = pos = lens
-
-            def rows():
-                rows_and_slots(bt, self.req, self.pos, self.slots, seq_lens=lens, decode_query_len=dql)
-
-            def table():
-                build_sparse_block_table_decode_kernel(
-                    self.topk_idx, bt, lens, dql, self.block_page_stride, self.sparse_bt, self.sparse_ctx
-                )
-
-        positions = 2 if self._prefill else 1
-
-        def insert():
-            rows()
-            insert_index_cache_kernel(inputs["index_k"], index_cache, self.slots, index_scale)
-            write_kv_page16_kernel(
-                inputs["key"], inputs["value"], k_cache, v_cache, self.slots, self.block_page_stride, k_scale, v_scale
-            )
-
         return {
-            "insert": insert,
-            "indexer_scores": lambda: index_scores_kernel(
-                inputs["index_q"],
-                index_cache,
-                bt,
-                req,
-                pos,
-                dql,
-                self._prefill,
-                self.init_blocks,
-                self.local_blocks,
-                True,
-                self.scores,
-                index_scale=index_scale,
-            ),
-            "topk": lambda: topk_kernel(
-                self.scores, self.topk, self.topk_idx, positions=positions, req=req, pos=pos, batch=self.batch, dql=dql
-            ),
-            "block_table": table,
-            "topk_block_table": lambda: topk_kernel(
-                self.scores,
-                self.topk,
-                self.topk_idx,
-                positions=positions,
-                req=req,
-                pos=pos,
-                batch=self.batch,
-                dql=dql,
-                block_table=bt,
-                block_page_stride=self.block_page_stride,
-                sparse_bt=self.sparse_bt,
-                sparse_ctx=self.sparse_ctx,
-            ),
-            "attention": lambda: sparse_attention_kernel(
-                inputs["q"],
-                k_cache,
-                v_cache,
-                self.sparse_bt,
-                self.sparse_ctx,
-                self.scale,
-                self.out,
-                self.lse,
-                k_scale,
-                v_scale,
-                workspace=self.workspace,
-            ),
+            "insert": lambda: self._insert(inputs, caches),
+            "indexer_scores": lambda: self._scores(inputs, caches),
+            "topk": lambda: self._topk(inputs, table=False),
+            "block_table": lambda: self._block_table(inputs),
+            "topk_block_table": lambda: self._topk(inputs),
+            "attention": lambda: self._attend(inputs["q"], caches, "rows"),
         }
 
     def __repr__(self) -> str:
@@ -558,6 +565,8 @@ class MSADecodePlan(_MSAPlan):
             every run (eager plans; a ``graph=True`` plan of that many rows needs ``"rows"`` or ``"tiled"``).
     """
 
+    _ROW_INPUTS = ("seq_lens",)
+
     def __init__(
         self,
         k_cache,
@@ -582,79 +591,7 @@ class MSADecodePlan(_MSAPlan):
     ):
         check_int("batch", batch, minimum=1)
         check_int("decode_query_len", decode_query_len, minimum=1)
-        super().__init__(
-            k_cache,
-            v_cache,
-            index_cache,
-            rows=batch * decode_query_len,
-            batch=batch,
-            max_blocks=max_blocks,
-            num_q_heads=num_q_heads,
-            decode_query_len=decode_query_len,
-            topk=topk,
-            init_blocks=init_blocks,
-            local_blocks=local_blocks,
-            scale=scale,
-            id_dtype=id_dtype,
-            graph=graph,
-            index_scale=index_scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            query_dtype=query_dtype,
-        )
-        self._set_algorithm(algorithm)
-
-    def _value_checks(self, inputs: dict) -> None:
-        from .indexer.checks import check_decode
-
-        check_decode(
-            inputs["index_q"],
-            self._caches[2],
-            inputs["block_table"],
-            inputs["seq_lens"],
-            self.topk,
-            self.decode_query_len,
-            self.init_blocks,
-            self.local_blocks,
-            self._caches[3],
-        )
-
-    def _one_shot(self, inputs: dict, caches):
-        from .msa import msa_decode
-
-        k_cache, v_cache, index_cache, index_scale, k_scale, v_scale = caches
-        return msa_decode(
-            inputs["q"],
-            inputs["key"],
-            inputs["value"],
-            inputs["index_q"],
-            inputs["index_k"],
-            k_cache,
-            v_cache,
-            index_cache,
-            inputs["block_table"],
-            inputs["seq_lens"],
-            decode_query_len=self.decode_query_len,
-            topk=self.topk,
-            init_blocks=self.init_blocks,
-            local_blocks=self.local_blocks,
-            scale=self.scale,
-            index_scale=index_scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
-
-    @staticmethod
-    def _inputs(q, key, value, index_q, index_k, block_table, seq_lens) -> dict:
-        return {
-            "q": q,
-            "key": key,
-            "value": value,
-            "index_q": index_q,
-            "index_k": index_k,
-            "block_table": block_table,
-            "seq_lens": seq_lens,
-        }
+        super().__init__(rows=batch * decode_query_len, decode_query_len=decode_query_len, **_shared(locals()))
 
     def run(
         self,
@@ -674,10 +611,8 @@ class MSADecodePlan(_MSAPlan):
         v_scale=None,
     ):
         """One decode step, arguments as :func:`mm3lab.msa_decode`; returns ``plan.out [N, Hq, D]``."""
-        return self._run(
-            self._inputs(q, key, value, index_q, index_k, block_table, seq_lens),
-            (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale),
-        )
+        inputs = self._inputs(q, key, value, index_q, index_k, block_table, seq_lens)
+        return self._run(inputs, (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale))
 
     def stages(
         self,
@@ -696,11 +631,9 @@ class MSADecodePlan(_MSAPlan):
         k_scale=None,
         v_scale=None,
     ):
-        """The step's launches as callables; see :meth:`_MSAPlan.stages`."""
+        """The step's launches as callables, arguments as :meth:`run`; see :meth:`_MSAPlan._stages`."""
         inputs = self._inputs(q, key, value, index_q, index_k, block_table, seq_lens)
-        caches = (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale)
-        self._check_inputs(inputs, caches)
-        return super().stages(inputs, caches)
+        return self._stages(inputs, (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale))
 
 
 class MSAPrefillPlan(_MSAPlan):
@@ -712,6 +645,7 @@ class MSAPrefillPlan(_MSAPlan):
     """
 
     _prefill = True
+    _ROW_INPUTS = ("query_req_id", "query_abs_pos")
 
     def __init__(
         self,
@@ -735,80 +669,7 @@ class MSAPrefillPlan(_MSAPlan):
         v_scale=None,
         query_dtype: torch.dtype = torch.bfloat16,
     ):
-        super().__init__(
-            k_cache,
-            v_cache,
-            index_cache,
-            rows=num_tokens,
-            batch=batch,
-            max_blocks=max_blocks,
-            num_q_heads=num_q_heads,
-            decode_query_len=1,
-            topk=topk,
-            init_blocks=init_blocks,
-            local_blocks=local_blocks,
-            scale=scale,
-            id_dtype=id_dtype,
-            graph=graph,
-            index_scale=index_scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            query_dtype=query_dtype,
-        )
-        self._set_algorithm(algorithm)
-
-    def _value_checks(self, inputs: dict) -> None:
-        from .indexer.checks import check_prefill
-
-        check_prefill(
-            inputs["index_q"],
-            self._caches[2],
-            inputs["block_table"],
-            inputs["query_req_id"],
-            inputs["query_abs_pos"],
-            self.topk,
-            self.init_blocks,
-            self.local_blocks,
-            self._caches[3],
-        )
-
-    def _one_shot(self, inputs: dict, caches):
-        from .msa import msa_prefill
-
-        k_cache, v_cache, index_cache, index_scale, k_scale, v_scale = caches
-        return msa_prefill(
-            inputs["q"],
-            inputs["key"],
-            inputs["value"],
-            inputs["index_q"],
-            inputs["index_k"],
-            k_cache,
-            v_cache,
-            index_cache,
-            inputs["block_table"],
-            inputs["query_req_id"],
-            inputs["query_abs_pos"],
-            topk=self.topk,
-            init_blocks=self.init_blocks,
-            local_blocks=self.local_blocks,
-            scale=self.scale,
-            index_scale=index_scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
-
-    @staticmethod
-    def _inputs(q, key, value, index_q, index_k, block_table, query_req_id, query_abs_pos) -> dict:
-        return {
-            "q": q,
-            "key": key,
-            "value": value,
-            "index_q": index_q,
-            "index_k": index_k,
-            "block_table": block_table,
-            "query_req_id": query_req_id,
-            "query_abs_pos": query_abs_pos,
-        }
+        super().__init__(rows=num_tokens, decode_query_len=1, **_shared(locals()))
 
     def run(
         self,
@@ -852,8 +713,6 @@ class MSAPrefillPlan(_MSAPlan):
         k_scale=None,
         v_scale=None,
     ):
-        """The step's launches as callables; see :meth:`_MSAPlan.stages`."""
+        """The step's launches as callables, arguments as :meth:`run`; see :meth:`_MSAPlan._stages`."""
         inputs = self._inputs(q, key, value, index_q, index_k, block_table, query_req_id, query_abs_pos)
-        caches = (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale)
-        self._check_inputs(inputs, caches)
-        return super().stages(inputs, caches)
+        return self._stages(inputs, (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale))

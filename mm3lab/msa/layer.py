@@ -203,93 +203,68 @@ KERNEL_STEPS = types.SimpleNamespace(
 """The steps :func:`msa_decode` / :func:`msa_prefill` join; :mod:`mm3lab.msa.reference` joins their twins."""
 
 
-def run_layer(
-    steps,
-    rows,
-    q,
-    key,
-    value,
-    index_q,
-    index_k,
-    k_cache,
-    v_cache,
-    index_cache,
-    block_table,
-    *,
-    topk,
-    init_blocks,
-    local_blocks,
-    scale,
-    return_intermediates,
-    index_scale=None,
-    k_scale=None,
-    v_scale=None,
-):
+def run_layer(steps, arguments: dict):
     """The MSA layer with its steps taken from ``steps`` (:data:`KERNEL_STEPS` or the reference's).
 
-    ``rows``: ``("decode", seq_lens, decode_query_len)`` or ``("prefill", query_req_id, query_abs_pos)``.
-    ``index_scale`` / ``k_scale`` / ``v_scale``: the scales of FP8 caches (SPEC 9), else ``None``.
+    ``arguments``: every argument of :func:`msa_decode` (decode rows, ``seq_lens`` among them) or of
+    :func:`msa_prefill` (prefill rows), by name; the public functions and their reference twins
+    (:mod:`mm3lab.msa.reference`) both hand theirs here.
     Every argument is checked before the first cache write (SPEC 7): the values in one launch and
     one host read (the indexer's checks); the slots and tables the later steps build from them are
     inside the caches, so the steps' own value checks do not run again (their structural checks do).
     """
-    kind, first, second = rows
-    decode = kind == "decode"
-    block_page_stride = _check_query(q, k_cache, v_cache, index_q, k_scale, v_scale)
-    _check_index_step(index_k, index_cache, k_cache, v_cache, topk)
+    args = types.SimpleNamespace(**arguments)
+    decode = "seq_lens" in arguments
     if decode:
-        check_indexer_decode(
-            index_q, index_cache, block_table, first, topk, second, init_blocks, local_blocks, index_scale
-        )
-        row_args, extra = (first,), (second,)  # the steps take (seq_lens, ..., decode_query_len, ...)
+        rows = ("decode", args.seq_lens, args.decode_query_len)
+        row_args, extra = (args.seq_lens,), (args.decode_query_len,)  # (seq_lens, ..., decode_query_len, ...)
     else:
-        check_indexer_prefill(
-            index_q, index_cache, block_table, first, second, topk, init_blocks, local_blocks, index_scale
-        )
-        row_args, extra = (first, second), ()
+        rows = ("prefill", args.query_req_id, args.query_abs_pos)
+        row_args, extra = (args.query_req_id, args.query_abs_pos), ()
+    q, block_table = args.q, args.block_table
+    k_cache, v_cache, index_cache = args.k_cache, args.v_cache, args.index_cache
+    kv_scales = {"k_scale": args.k_scale, "v_scale": args.v_scale}  # FP8 caches' scales (SPEC 9), else None
+    index_scale = args.index_scale
+    # the indexer's rows, top-k and init / local blocks, in the order every indexer entry point takes them
+    selection = (*row_args, args.topk, *extra, args.init_blocks, args.local_blocks)
+
+    block_page_stride = _check_query(q, k_cache, v_cache, args.index_q, **kv_scales)
+    _check_index_step(args.index_k, index_cache, k_cache, v_cache, args.topk)
+    check = check_indexer_decode if decode else check_indexer_prefill
+    check(args.index_q, index_cache, block_table, *selection, index_scale)
     req, pos, slots = steps.rows_and_slots(block_table, rows)
     with validation(False):
         slots = _prepare_inserts(
             q,
-            key,
-            value,
-            index_k,
+            args.key,
+            args.value,
+            args.index_k,
             k_cache,
             v_cache,
             index_cache,
             block_table,
             req,
             pos,
-            scale=scale,
+            scale=args.scale,
             table_checked=True,
             slots=slots,
             index_scale=index_scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
+            **kv_scales,
         )
         if index_cache is not None:
-            steps.insert_index_cache(index_k, index_cache, slots, index_scale=index_scale)
-        steps.write_kv_page16(key, value, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
+            steps.insert_index_cache(args.index_k, index_cache, slots, index_scale=index_scale)
+        steps.write_kv_page16(args.key, args.value, k_cache, v_cache, slots, **kv_scales)
         select = steps.index_topk_block_table_decode if decode else steps.index_topk_block_table_prefill
         topk_idx, sparse_bt, sparse_ctx = select(
-            index_q,
-            index_cache,
-            block_table,
-            *row_args,
-            topk,
-            *extra,
-            init_blocks,
-            local_blocks,
-            block_page_stride,
-            index_scale=index_scale,
+            args.index_q, index_cache, block_table, *selection, block_page_stride, index_scale=index_scale
         )
         out, lse = steps.sparse_attention(
-            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse=True, k_scale=k_scale, v_scale=v_scale
+            q, k_cache, v_cache, sparse_bt, sparse_ctx, args.scale, return_lse=True, **kv_scales
         )
-        if not return_intermediates:
+        if not args.return_intermediates:
             return out
         score = steps.index_scores_decode if decode else steps.index_scores_prefill
-        scores = score(index_q, index_cache, block_table, *row_args, *extra, index_scale=index_scale)
+        scores = score(args.index_q, index_cache, block_table, *row_args, *extra, index_scale=index_scale)
     return out, MSAStep(req, pos, slots, scores, topk_idx, sparse_bt, sparse_ctx, lse)
 
 
@@ -339,27 +314,7 @@ def msa_decode(
     Returns:
         ``out [N, Hq, D]`` in q's dtype, or ``(out, MSAStep)``.
     """
-    return run_layer(
-        KERNEL_STEPS,
-        ("decode", seq_lens, decode_query_len),
-        q,
-        key,
-        value,
-        index_q,
-        index_k,
-        k_cache,
-        v_cache,
-        index_cache,
-        block_table,
-        topk=topk,
-        init_blocks=init_blocks,
-        local_blocks=local_blocks,
-        scale=scale,
-        return_intermediates=return_intermediates,
-        index_scale=index_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    return run_layer(KERNEL_STEPS, locals())  # every argument, by name
 
 
 def msa_prefill(
@@ -395,24 +350,4 @@ def msa_prefill(
     Returns:
         ``out [N, Hq, D]``, or ``(out, MSAStep)``.
     """
-    return run_layer(
-        KERNEL_STEPS,
-        ("prefill", query_req_id, query_abs_pos),
-        q,
-        key,
-        value,
-        index_q,
-        index_k,
-        k_cache,
-        v_cache,
-        index_cache,
-        block_table,
-        topk=topk,
-        init_blocks=init_blocks,
-        local_blocks=local_blocks,
-        scale=scale,
-        return_intermediates=return_intermediates,
-        index_scale=index_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    return run_layer(KERNEL_STEPS, locals())  # every argument, by name

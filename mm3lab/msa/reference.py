@@ -8,13 +8,12 @@ the sparse attention are each the readable reference, on any device and any back
 
 from __future__ import annotations
 
+import functools
+import inspect
 import types
 
-import torch
-
-from ..constants import DEFAULT_TOPK
 from ..rows import decode_query_rows
-from .layer import run_layer
+from . import layer
 
 __all__ = ["msa_decode", "msa_prefill"]
 
@@ -39,93 +38,21 @@ def _steps():
     return types.SimpleNamespace(rows_and_slots=rows_and_slots, **{name: getattr(reference, name) for name in names})
 
 
-def msa_decode(
-    q: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    index_q: torch.Tensor,
-    index_k: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    decode_query_len: int = 1,
-    topk: int = DEFAULT_TOPK,
-    init_blocks: int = 0,
-    local_blocks: int = 1,
-    scale: float | None = None,
-    return_intermediates: bool = False,
-    index_scale: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-):
-    """:func:`mm3lab.msa_decode` from the reference steps (:mod:`mm3lab.reference`)."""
-    return run_layer(
-        _steps(),
-        ("decode", seq_lens, decode_query_len),
-        q,
-        key,
-        value,
-        index_q,
-        index_k,
-        k_cache,
-        v_cache,
-        index_cache,
-        block_table,
-        topk=topk,
-        init_blocks=init_blocks,
-        local_blocks=local_blocks,
-        scale=scale,
-        return_intermediates=return_intermediates,
-        index_scale=index_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+def _twin(layer_function):
+    """``layer_function`` (:func:`mm3lab.msa_decode` or ``msa_prefill``) on the reference steps:
+    the same signature and argument binding, then :func:`mm3lab.msa.layer.run_layer`."""
+    signature = inspect.signature(layer_function)
+
+    @functools.wraps(layer_function)
+    def twin(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return layer.run_layer(_steps(), bound.arguments)
+
+    twin.__module__ = __name__
+    twin.__doc__ = f":func:`mm3lab.{layer_function.__name__}` from the reference steps (:mod:`mm3lab.reference`)."
+    return twin
 
 
-def msa_prefill(
-    q: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    index_q: torch.Tensor,
-    index_k: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_req_id: torch.Tensor,
-    query_abs_pos: torch.Tensor,
-    *,
-    topk: int = DEFAULT_TOPK,
-    init_blocks: int = 0,
-    local_blocks: int = 1,
-    scale: float | None = None,
-    return_intermediates: bool = False,
-    index_scale: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-):
-    """:func:`mm3lab.msa_prefill` from the reference steps (:mod:`mm3lab.reference`)."""
-    return run_layer(
-        _steps(),
-        ("prefill", query_req_id, query_abs_pos),
-        q,
-        key,
-        value,
-        index_q,
-        index_k,
-        k_cache,
-        v_cache,
-        index_cache,
-        block_table,
-        topk=topk,
-        init_blocks=init_blocks,
-        local_blocks=local_blocks,
-        scale=scale,
-        return_intermediates=return_intermediates,
-        index_scale=index_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+msa_decode = _twin(layer.msa_decode)
+msa_prefill = _twin(layer.msa_prefill)
