@@ -123,7 +123,8 @@ class _Call(NamedTuple):
         scores = self.scores(forced=bool(options.get("forced", True)))
         if topk is NO_TOPK:
             return scores
-        return _topk(scores, topk, rows, block_table, block_page_stride)
+        table = () if block_page_stride is None else (block_table, block_page_stride)
+        return _topk(scores, topk, rows.req, rows.pos, block_table.shape[0], rows.dql, rows.prefill, *table)
 
     def scores(self, forced: bool) -> torch.Tensor:
         """The scores kernel: ``[H, N, M]`` float32, forced (what top-k ranks) or raw."""
@@ -140,33 +141,30 @@ class _Call(NamedTuple):
         return scores
 
 
-def _topk(scores, topk: int, rows: _Rows, block_table, block_page_stride: int | None = None):
-    """The top-k kernel over forced ``scores [H, N, M]``; with a ``block_page_stride``, fused with the
-    sparse block table (SPEC 3) and returning ``(topk_idx, sparse_bt, sparse_ctx)``."""
+def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_page_stride=PAGES_PER_SPARSE_BLOCK):
+    """The top-k kernel over forced ``scores [H, N, M]``; with a ``block_table``, fused with the sparse
+    block table (SPEC 3) and returning ``(topk_idx, sparse_bt, sparse_ctx)``."""
     from .kernel import topk_kernel
 
-    if block_page_stride is not None and topk > MAX_KERNEL_TOPK:
-        # the fused kernel compacts a row in registers (K x K): wider selections take two steps,
-        # the second on the PyTorch path (recorded by the caller and by the block table entry point)
-        topk_idx = _topk(scores, topk, rows, block_table)
-        build = build_sparse_block_table_prefill if rows.prefill else build_sparse_block_table_decode
-        return (topk_idx, *build(topk_idx, block_table, **rows.by_name(), block_page_stride=block_page_stride))
     h, n, _ = scores.shape
     topk_idx = torch.empty(h, n, topk, dtype=torch.int32, device=scores.device)
     tables = {}
-    if block_page_stride is not None:
+    if block_table is not None and topk > MAX_KERNEL_TOPK:
+        # the fused kernel compacts a row in registers (K x K): wider selections take two steps,
+        # the second on the PyTorch path (recorded by the caller and by the block table entry point)
+        topk_idx = _topk(scores, topk, req, pos, batch, dql, prefill)
+        if prefill:
+            return (topk_idx, *build_sparse_block_table_prefill(topk_idx, block_table, req, pos, block_page_stride))
+        return (topk_idx, *build_sparse_block_table_decode(topk_idx, block_table, req, dql, block_page_stride))
+    if block_table is not None:
         tables = dict(
             block_table=block_table,
             block_page_stride=block_page_stride,
             sparse_bt=torch.empty(h, n, topk * PAGES_PER_SPARSE_BLOCK, dtype=torch.int32, device=scores.device),
             sparse_ctx=torch.empty(h, n, dtype=torch.int32, device=scores.device),
         )
-    positions = 2 if rows.prefill else 1
-    batch = block_table.shape[0]
-    topk_kernel(
-        scores, topk, topk_idx, positions=positions, req=rows.req, pos=rows.pos, batch=batch, dql=rows.dql, **tables
-    )
-    if block_page_stride is None:
+    topk_kernel(scores, topk, topk_idx, positions=2 if prefill else 1, req=req, pos=pos, batch=batch, dql=dql, **tables)
+    if block_table is None:
         return topk_idx
     return topk_idx, tables["sparse_bt"], tables["sparse_ctx"]
 

@@ -141,9 +141,13 @@ def _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, 
 
 
 def _select(index_q, index_cache, block_table, rows, topk: int, init_blocks, local_blocks, index_scale) -> torch.Tensor:
-    """``rows[n] = (request, p)``; steps 2-3: the forced scores, then the top-k of every (head, row) over
-    its ``valid`` candidates, ``[H, N, topk]`` int32."""
+    """``rows[n] = (request, p)``; steps 2-3: the forced scores, then their top-k."""
     scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, True, index_scale)
+    return _topk(scores, rows, topk)
+
+
+def _topk(scores: torch.Tensor, rows, topk: int) -> torch.Tensor:
+    """Top-k of every (head, row) of forced scores ``[H, N, M]`` over its ``valid`` candidates."""
     h, n_rows, m = scores.shape
     out = torch.full((h, n_rows, topk), -1, dtype=torch.int32)
     for n, (r, p) in enumerate(rows):
