@@ -215,6 +215,25 @@ def value_checks(segments, detail) -> None:
         raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
 
 
+def check_slots_inside(slot_mapping: torch.Tensor, capacity: int, cache: str) -> None:
+    """With validation on: every slot of ``slot_mapping`` below ``capacity``, the slots of ``cache``
+    (negative slots are padding); one launch and one host read. Raises ``ValueError`` naming the row."""
+    from ._valcheck import Segment
+
+    if not validation_enabled() or slot_mapping.numel() == 0:
+        return
+
+    def detail() -> None:
+        row = first_bad_row(slot_mapping >= capacity)
+        if row is not None:
+            raise ValueError(
+                f"slot_mapping: row {row} has slot {int(slot_mapping[row])}, past {cache}'s "
+                f"{capacity} slots ({capacity // SPARSE_BLOCK_SIZE} blocks of {SPARSE_BLOCK_SIZE})"
+            )
+
+    value_checks([Segment("all", slot_mapping, hi=capacity - 1)], detail)
+
+
 def raise_first(checks) -> None:
     """``checks``: ``(mask, message(row))`` pairs; raise for the first mask holding a True (one sync in all)."""
     if not checks:

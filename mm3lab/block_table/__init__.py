@@ -43,17 +43,9 @@ from .reference import (
     sparse_block_table_row,
 )
 
-__all__ = [
-    "BLOCK_PAGE_STRIDES",
-    "SparseRow",
-    "attended_ranges",
-    "attended_tokens",
-    "build_sparse_block_table_decode",
-    "build_sparse_block_table_prefill",
-    "decode_positions",
-    "plan_sparse_row",
-    "sparse_block_table_row",
-]
+# The reference's names: its row helpers re-exported, its entry points as kernels (same signatures).
+__all__ = ["BLOCK_PAGE_STRIDES"]
+__all__ += reference.__all__
 
 
 def _outputs(topk_idx: torch.Tensor, out):

@@ -69,10 +69,14 @@ def _topk_past_table(topk_idx: torch.Tensor, width: int):
     return mask, message
 
 
+def _physical_id_range(block_page_stride: int) -> tuple[int, int]:
+    """``(bottom, top)``: the physical block ids whose page ids ``id * stride + j`` fit int32."""
+    return -(2**31) // block_page_stride, (2**31 - PAGES_PER_SPARSE_BLOCK) // block_page_stride
+
+
 def _page_overflow(block_table, blocks_used, block_page_stride: int):
-    """A table entry that a row reads whose page ids ``id * stride + j`` do not fit int32."""
-    top = (2**31 - PAGES_PER_SPARSE_BLOCK) // block_page_stride
-    bottom = -(2**31) // block_page_stride
+    """A table entry that a row reads whose page ids do not fit int32 (see :func:`_physical_id_range`)."""
+    bottom, top = _physical_id_range(block_page_stride)
     return table_entry_check(
         block_table,
         blocks_used,
@@ -93,8 +97,7 @@ def check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_s
     if not validation_enabled() or n == 0:
         return
     capacity = m * SPARSE_BLOCK_SIZE
-    top = (2**31 - PAGES_PER_SPARSE_BLOCK) // block_page_stride
-    bottom = -(2**31) // block_page_stride
+    bottom, top = _physical_id_range(block_page_stride)
     segments = [
         Segment("all", seq_lens, hi=capacity),
         Segment("all", topk_idx, hi=m - 1) if k else None,
@@ -124,8 +127,7 @@ def check_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page
     if not validation_enabled() or n == 0:
         return
     capacity = m * SPARSE_BLOCK_SIZE
-    top = (2**31 - PAGES_PER_SPARSE_BLOCK) // block_page_stride
-    bottom = -(2**31) // block_page_stride
+    bottom, top = _physical_id_range(block_page_stride)
     segments = [
         Segment("live", query_req_id, lo=0, hi=b - 1, aux=query_abs_pos),
         Segment("all", query_abs_pos, hi=capacity - 1),

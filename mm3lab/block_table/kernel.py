@@ -123,18 +123,10 @@ def _build_sparse_block_table(
     slots = tl.arange(0, K_BLOCK)
     blk = tl.load(topk_ptr + h * stride_th + n * stride_tn + slots * stride_tk, mask=slots < K, other=-1)
     row = h * N + n
+    bt_row = bt_ptr + req * stride_bb
+    out_row = out_bt_ptr + row * (K * PAGES)
     ctx = emit_sparse_block_table_row(
-        blk,
-        p,
-        bt_ptr + req * stride_bb,
-        stride_bm,
-        M,
-        out_bt_ptr + row * (K * PAGES),
-        K,
-        K_BLOCK=K_BLOCK,
-        BLOCK_PAGE_STRIDE=BLOCK_PAGE_STRIDE,
-        SPARSE_BLOCK=SPARSE_BLOCK,
-        PAGES=PAGES,
+        blk, p, bt_row, stride_bm, M, out_row, K, K_BLOCK, BLOCK_PAGE_STRIDE, SPARSE_BLOCK, PAGES
     )
     tl.store(out_ctx_ptr + row, ctx)
 

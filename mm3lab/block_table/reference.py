@@ -216,17 +216,9 @@ def build_sparse_block_table_decode(
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse block table of decode rows (rows: SPEC 2, :func:`mm3lab.rows.decode_rows`).
+    """Sparse block table of decode rows (rows: SPEC 2, :func:`mm3lab.rows.decode_rows`), as loops.
 
-    Args:
-        topk_idx: ``[H, N, K]`` int32/int64 selected logical blocks, ``N = B * decode_query_len``.
-        block_table: ``[B, M]`` int32/int64 logical -> physical blocks.
-        seq_lens: ``[B]`` int32/int64 tokens per request, the decode queries included.
-        decode_query_len: query tokens per request (``> 1`` for speculative decode).
-        block_page_stride: 8 (dense planes) or 16 (packed sides).
-        out: optional ``(sparse_bt, sparse_ctx)`` int32 contiguous buffers, written and returned.
-    Returns:
-        ``sparse_bt [H, N, K * 8]`` int32, ``sparse_ctx [H, N]`` int32.
+    Arguments and results: :func:`mm3lab.build_sparse_block_table_decode`.
     """
     check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out)
     req, pos = decode_rows(seq_lens, decode_query_len)
@@ -243,17 +235,9 @@ def build_sparse_block_table_prefill(
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse block table of prefill rows, each with its own request id and absolute position.
+    """Sparse block table of prefill rows, each with its own request id and absolute position, as loops.
 
-    Args:
-        topk_idx: ``[H, N, K]`` int32/int64 selected logical blocks.
-        block_table: ``[B, M]`` int32/int64 logical -> physical blocks.
-        query_req_id: ``[N]`` int32/int64 request of each row (any value on a padded row).
-        query_abs_pos: ``[N]`` int32/int64 absolute position of each row; negative = padded row.
-        block_page_stride: 8 (dense planes) or 16 (packed sides).
-        out: optional ``(sparse_bt, sparse_ctx)`` int32 contiguous buffers, written and returned.
-    Returns:
-        ``sparse_bt [H, N, K * 8]`` int32, ``sparse_ctx [H, N]`` int32.
+    Arguments and results: :func:`mm3lab.build_sparse_block_table_prefill`.
     """
     check_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride, out)
     rows = list(zip(query_req_id.tolist(), query_abs_pos.tolist(), strict=False))

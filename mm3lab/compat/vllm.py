@@ -34,12 +34,15 @@ from ..constants import PAGES_PER_SPARSE_BLOCK  # noqa: E402
 __all__ += ["minimax_m3_build_sparse_block_table_decode", "minimax_m3_build_sparse_block_table_prefill"]
 
 
-def _single_head(topk_idx) -> None:
+def _one_head(build, topk_idx, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    """``build`` (an mm3lab sparse block table entry point) on a one-head selection, the head dimension dropped."""
     if isinstance(topk_idx, torch.Tensor) and (topk_idx.dim() != 3 or topk_idx.shape[0] != 1):
         raise ValueError(
             f"topk_idx: the upstream entry points take one selection head, shape [1, N, K]; "
             f"got {tuple(topk_idx.shape)} (use mm3lab.build_sparse_block_table_* for H > 1)"
         )
+    sparse_bt, sparse_ctx = build(topk_idx, *args)
+    return sparse_bt[0], sparse_ctx[0]
 
 
 def minimax_m3_build_sparse_block_table_decode(
@@ -49,19 +52,11 @@ def minimax_m3_build_sparse_block_table_decode(
     decode_query_len: int = 1,
     block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Upstream name of :func:`mm3lab.build_sparse_block_table_decode`, H = 1.
-
-    Args:
-        topk_idx: ``[1, N, K]`` selected logical blocks, ``N = B * decode_query_len``.
-        block_table: ``[B, M]``; seq_lens: ``[B]``.
-    Returns:
-        ``sparse_bt [N, K * 8]`` int32, ``sparse_ctx [N]`` int32.
-    """
-    _single_head(topk_idx)
-    sparse_bt, sparse_ctx = build_sparse_block_table_decode(
-        topk_idx, block_table, seq_lens, decode_query_len, block_page_stride
+    """Upstream name of :func:`mm3lab.build_sparse_block_table_decode`: ``topk_idx [1, N, K]`` ->
+    ``(sparse_bt [N, K * 8], sparse_ctx [N])`` int32."""
+    return _one_head(
+        build_sparse_block_table_decode, topk_idx, block_table, seq_lens, decode_query_len, block_page_stride
     )
-    return sparse_bt[0], sparse_ctx[0]
 
 
 def minimax_m3_build_sparse_block_table_prefill(
@@ -71,18 +66,10 @@ def minimax_m3_build_sparse_block_table_prefill(
     query_abs_pos: torch.Tensor,
     block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Upstream name of :func:`mm3lab.build_sparse_block_table_prefill`, H = 1.
-
-    Args:
-        topk_idx: ``[1, N, K]``; block_table: ``[B, M]``; query_req_id, query_abs_pos: ``[N]``.
-    Returns:
-        ``sparse_bt [N, K * 8]`` int32, ``sparse_ctx [N]`` int32.
-    """
-    _single_head(topk_idx)
-    sparse_bt, sparse_ctx = build_sparse_block_table_prefill(
-        topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride
+    """Upstream name of :func:`mm3lab.build_sparse_block_table_prefill`, one head, as the decode one."""
+    return _one_head(
+        build_sparse_block_table_prefill, topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride
     )
-    return sparse_bt[0], sparse_ctx[0]
 
 
 # --- index cache (SPEC section 2, step 1) ---

@@ -17,8 +17,8 @@ from .._checks import (
     check_index,
     check_last_dim_contiguous,
     check_same_device,
+    check_slots_inside,
     check_tensor,
-    first_bad_row,
     raise_first,
     validation_enabled,
     value_checks,
@@ -89,18 +89,7 @@ def check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale=Non
     if slot_mapping.shape[0] != n:
         raise ValueError(f"slot_mapping: expected one slot per index_k row ({n}), got {slot_mapping.shape[0]}")
     check_same_device(index_cache=index_cache, index_k=index_k, slot_mapping=slot_mapping)
-    if validation_enabled() and n:
-        capacity = index_cache_slots(index_cache)
-
-        def detail() -> None:
-            row = first_bad_row(slot_mapping >= capacity)
-            if row is not None:
-                raise ValueError(
-                    f"slot_mapping: row {row} has slot {int(slot_mapping[row])}, past the index cache's "
-                    f"{capacity} slots ({index_cache.shape[0]} blocks of {SPARSE_BLOCK_SIZE})"
-                )
-
-        value_checks([Segment("all", slot_mapping, hi=capacity - 1)], detail)
+    check_slots_inside(slot_mapping, index_cache_slots(index_cache), "the index cache")
 
 
 def check_token_slots(block_table, query_req_id, query_abs_pos) -> None:

@@ -29,28 +29,19 @@ the block max; the reference dequantizes the keys. Scores agree within
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .. import backend
-from ..block_table import MAX_KERNEL_TOPK
+from ..block_table import MAX_KERNEL_TOPK, build_sparse_block_table_decode, build_sparse_block_table_prefill
 from ..constants import PAGES_PER_SPARSE_BLOCK
 from ..fp8 import FP8_DTYPE
 from . import reference
 from .checks import NO_TOPK, check_block_page_stride, check_decode, check_prefill, check_topk_scores
-from .reference import candidate_blocks, force_scores, select_topk
+from .reference import block_score, candidate_blocks, force_scores, select_topk
 
-__all__ = [
-    "candidate_blocks",
-    "force_scores",
-    "index_scores_decode",
-    "index_scores_prefill",
-    "index_topk_block_table_decode",
-    "index_topk_block_table_prefill",
-    "index_topk_decode",
-    "index_topk_prefill",
-    "select_topk",
-    "topk_blocks",
-]
+__all__ = reference.__all__  # the same names: its helpers re-exported, its entry points as kernels
 
 
 def _use_kernel(entry_point: str, index_q, index_cache, *tensors) -> bool:
@@ -64,33 +55,95 @@ def _use_kernel(entry_point: str, index_q, index_cache, *tensors) -> bool:
     return backend.use_kernel(index_q, index_cache, *tensors, entry_point=entry_point, fallback=fallback)
 
 
-def _scores(
-    index_q, index_cache, block_table, req, pos, dql, prefill, init_blocks, local_blocks, forced, *, index_scale
-):
-    from .kernel import index_scores_kernel
+class _Rows(NamedTuple):
+    """A call's rows as the kernels take them (the SPEC 2 row rule, :mod:`mm3lab.rows`)."""
 
-    n, h, _ = index_q.shape
-    if index_scale is not None and backend.INTERPRETER and index_q.dtype == torch.bfloat16:
-        index_q = index_q.float()  # exact; the interpreter's bfloat16 arithmetic is not
-    scores = torch.empty(h, n, block_table.shape[1], dtype=torch.float32, device=index_q.device)
-    index_scores_kernel(
-        index_q,
-        index_cache,
-        block_table,
-        req,
-        pos,
-        dql,
-        prefill,
-        init_blocks,
-        local_blocks,
-        forced,
-        scores,
-        index_scale=index_scale,
-    )
-    return scores
+    req: torch.Tensor  # decode: seq_lens; prefill: query_req_id
+    pos: torch.Tensor  # decode: seq_lens (unused); prefill: query_abs_pos
+    dql: int  # decode_query_len; 1 for prefill rows
+    prefill: bool
+
+    def by_name(self) -> dict:
+        """The same rows as the entry points' keyword arguments."""
+        if self.prefill:
+            return {"query_req_id": self.req, "query_abs_pos": self.pos}
+        return {"seq_lens": self.req, "decode_query_len": self.dql}
+
+
+class _Call(NamedTuple):
+    """One call of an indexer entry point, decode or prefill alike; :meth:`run` checks and runs it."""
+
+    index_q: torch.Tensor
+    index_cache: torch.Tensor
+    block_table: torch.Tensor
+    rows: _Rows
+    init_blocks: int
+    local_blocks: int
+    index_scale: torch.Tensor | None
+
+    @classmethod
+    def decode(
+        cls, index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, index_scale
+    ):
+        rows = _Rows(seq_lens, seq_lens, decode_query_len, False)
+        return cls(index_q, index_cache, block_table, rows, init_blocks, local_blocks, index_scale)
+
+    @classmethod
+    def prefill(
+        cls, index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, index_scale
+    ):
+        rows = _Rows(query_req_id, query_abs_pos, 1, True)
+        return cls(index_q, index_cache, block_table, rows, init_blocks, local_blocks, index_scale)
+
+    def run(self, entry: str, **options):
+        """Check the call, then run ``entry``: the scores kernel (then the top-k kernel), or the
+        reference where SPEC 7 says so.
+
+        ``options``: the entry point's own arguments by name: ``forced`` (scores), ``topk``, and
+        ``block_page_stride`` (top-k fused with the sparse block table).
+        """
+        index_q, index_cache, block_table, rows, init_blocks, local_blocks, index_scale = self
+        topk = options.get("topk", NO_TOPK)
+        if rows.prefill:
+            check_prefill(
+                index_q, index_cache, block_table, rows.req, rows.pos, topk, init_blocks, local_blocks, index_scale
+            )
+        else:
+            check_decode(
+                index_q, index_cache, block_table, rows.req, topk, rows.dql, init_blocks, local_blocks, index_scale
+            )
+        block_page_stride = options.get("block_page_stride")
+        if block_page_stride is not None:
+            check_block_page_stride(block_page_stride)
+        if not _use_kernel(entry, index_q, index_cache, block_table, rows.req, rows.pos):
+            named = dict(rows.by_name(), init_blocks=init_blocks, local_blocks=local_blocks, index_scale=index_scale)
+            return getattr(reference, entry)(index_q, index_cache, block_table, **named, **options)
+        if block_page_stride is not None and topk > MAX_KERNEL_TOPK:
+            backend.fallback_taken(entry, "topk-over-512")
+        scores = self.scores(forced=bool(options.get("forced", True)))
+        if topk is NO_TOPK:
+            return scores
+        table = () if block_page_stride is None else (block_table, block_page_stride)
+        return _topk(scores, topk, rows.req, rows.pos, block_table.shape[0], rows.dql, rows.prefill, *table)
+
+    def scores(self, forced: bool) -> torch.Tensor:
+        """The scores kernel: ``[H, N, M]`` float32, forced (what top-k ranks) or raw."""
+        from .kernel import index_scores_kernel
+
+        index_q, index_cache, block_table, rows, init_blocks, local_blocks, index_scale = self
+        n, h, _ = index_q.shape
+        if index_scale is not None and backend.INTERPRETER and index_q.dtype == torch.bfloat16:
+            index_q = index_q.float()  # exact; the interpreter's bfloat16 arithmetic is not
+        scores = torch.empty(h, n, block_table.shape[1], dtype=torch.float32, device=index_q.device)
+        index_scores_kernel(
+            index_q, index_cache, block_table, *rows, init_blocks, local_blocks, forced, scores, index_scale=index_scale
+        )
+        return scores
 
 
 def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_page_stride=PAGES_PER_SPARSE_BLOCK):
+    """The top-k kernel over forced ``scores [H, N, M]``; with a ``block_table``, fused with the sparse
+    block table (SPEC 3) and returning ``(topk_idx, sparse_bt, sparse_ctx)``."""
     from .kernel import topk_kernel
 
     h, n, _ = scores.shape
@@ -100,8 +153,6 @@ def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_p
         # the fused kernel compacts a row in registers (K x K): wider selections take two steps,
         # the second on the PyTorch path (recorded by the caller and by the block table entry point)
         topk_idx = _topk(scores, topk, req, pos, batch, dql, prefill)
-        from ..block_table import build_sparse_block_table_decode, build_sparse_block_table_prefill
-
         if prefill:
             return (topk_idx, *build_sparse_block_table_prefill(topk_idx, block_table, req, pos, block_page_stride))
         return (topk_idx, *build_sparse_block_table_decode(topk_idx, block_table, req, dql, block_page_stride))
@@ -116,48 +167,6 @@ def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_p
     if block_table is None:
         return topk_idx
     return topk_idx, tables["sparse_bt"], tables["sparse_ctx"]
-
-
-def _select(entry, index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks, *table, index_scale):
-    """The top-k entry points after their checks: scores + top-k kernels, or the reference (SPEC 7).
-
-    ``rows``: ``("decode", seq_lens, decode_query_len)`` or ``("prefill", query_req_id, query_abs_pos)``;
-    ``table``: ``()``, or ``(block_page_stride,)`` for the fused sparse block table.
-    """
-    kind, first, second = rows
-    decode = kind == "decode"
-    row_args, extra = ((first,), (second,)) if decode else ((first, second), ())
-    if not _use_kernel(entry, index_q, index_cache, block_table, *row_args):
-        return getattr(reference, entry)(
-            index_q,
-            index_cache,
-            block_table,
-            *row_args,
-            topk,
-            *extra,
-            init_blocks,
-            local_blocks,
-            *table,
-            index_scale=index_scale,
-        )
-    if table and topk > MAX_KERNEL_TOPK:
-        backend.fallback_taken(entry, "topk-over-512")
-    req, pos, dql = (first, first, second) if decode else (first, second, 1)
-    scores = _scores(
-        index_q,
-        index_cache,
-        block_table,
-        req,
-        pos,
-        dql,
-        not decode,
-        init_blocks,
-        local_blocks,
-        True,
-        index_scale=index_scale,
-    )
-    tables = (block_table, *table) if table else ()
-    return _topk(scores, topk, req, pos, block_table.shape[0], dql, not decode, *tables)
 
 
 def index_scores_decode(
@@ -193,34 +202,10 @@ def index_scores_decode(
     Raises:
         TypeError / ValueError: see :func:`index_topk_decode`.
     """
-    check_decode(
-        index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks, index_scale
+    call = _Call.decode(
+        index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, index_scale
     )
-    if not _use_kernel("index_scores_decode", index_q, index_cache, block_table, seq_lens):
-        return reference.index_scores_decode(
-            index_q,
-            index_cache,
-            block_table,
-            seq_lens,
-            decode_query_len,
-            init_blocks,
-            local_blocks,
-            forced,
-            index_scale=index_scale,
-        )
-    return _scores(
-        index_q,
-        index_cache,
-        block_table,
-        seq_lens,
-        seq_lens,
-        decode_query_len,
-        False,
-        init_blocks,
-        local_blocks,
-        bool(forced),
-        index_scale=index_scale,
-    )
+    return call.run("index_scores_decode", forced=forced)
 
 
 def index_scores_prefill(
@@ -242,34 +227,10 @@ def index_scores_prefill(
     Returns:
         ``[H, N, M]`` float32, ``-inf`` at non-candidates.
     """
-    check_prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks, index_scale
+    call = _Call.prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, index_scale
     )
-    if not _use_kernel("index_scores_prefill", index_q, index_cache, block_table, query_req_id, query_abs_pos):
-        return reference.index_scores_prefill(
-            index_q,
-            index_cache,
-            block_table,
-            query_req_id,
-            query_abs_pos,
-            init_blocks,
-            local_blocks,
-            forced,
-            index_scale=index_scale,
-        )
-    return _scores(
-        index_q,
-        index_cache,
-        block_table,
-        query_req_id,
-        query_abs_pos,
-        1,
-        True,
-        init_blocks,
-        local_blocks,
-        bool(forced),
-        index_scale=index_scale,
-    )
+    return call.run("index_scores_prefill", forced=forced)
 
 
 def index_topk_decode(
@@ -307,21 +268,10 @@ def index_topk_decode(
             (names ``seq_lens`` and the request) or a used block table entry outside the
             cache (names ``block_table``, the request and the block).
     """
-    check_decode(
-        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
+    call = _Call.decode(
+        index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, index_scale
     )
-    rows = ("decode", seq_lens, decode_query_len)
-    return _select(
-        "index_topk_decode",
-        index_q,
-        index_cache,
-        block_table,
-        rows,
-        topk,
-        init_blocks,
-        local_blocks,
-        index_scale=index_scale,
-    )
+    return call.run("index_topk_decode", topk=topk)
 
 
 def index_topk_prefill(
@@ -343,21 +293,10 @@ def index_topk_prefill(
     ``[0, B)`` on a row that is not padded (names ``query_req_id`` and the row) or a
     position ``>= M * 128`` (names ``query_abs_pos``).
     """
-    check_prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
+    call = _Call.prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, index_scale
     )
-    rows = ("prefill", query_req_id, query_abs_pos)
-    return _select(
-        "index_topk_prefill",
-        index_q,
-        index_cache,
-        block_table,
-        rows,
-        topk,
-        init_blocks,
-        local_blocks,
-        index_scale=index_scale,
-    )
+    return call.run("index_topk_prefill", topk=topk)
 
 
 def index_topk_block_table_decode(
@@ -384,23 +323,10 @@ def index_topk_block_table_decode(
     Returns:
         ``(topk_idx [H, N, topk], sparse_bt [H, N, topk * 8], sparse_ctx [H, N])``, int32, contiguous.
     """
-    check_decode(
-        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
+    call = _Call.decode(
+        index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, index_scale
     )
-    check_block_page_stride(block_page_stride)
-    rows = ("decode", seq_lens, decode_query_len)
-    return _select(
-        "index_topk_block_table_decode",
-        index_q,
-        index_cache,
-        block_table,
-        rows,
-        topk,
-        init_blocks,
-        local_blocks,
-        block_page_stride,
-        index_scale=index_scale,
-    )
+    return call.run("index_topk_block_table_decode", topk=topk, block_page_stride=block_page_stride)
 
 
 def index_topk_block_table_prefill(
@@ -418,23 +344,10 @@ def index_topk_block_table_prefill(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`index_topk_prefill` fused with :func:`mm3lab.build_sparse_block_table_prefill`
     (see :func:`index_topk_block_table_decode`)."""
-    check_prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
+    call = _Call.prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, index_scale
     )
-    check_block_page_stride(block_page_stride)
-    rows = ("prefill", query_req_id, query_abs_pos)
-    return _select(
-        "index_topk_block_table_prefill",
-        index_q,
-        index_cache,
-        block_table,
-        rows,
-        topk,
-        init_blocks,
-        local_blocks,
-        block_page_stride,
-        index_scale=index_scale,
-    )
+    return call.run("index_topk_block_table_prefill", topk=topk, block_page_stride=block_page_stride)
 
 
 def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:

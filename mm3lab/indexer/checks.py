@@ -58,7 +58,8 @@ def check_topk_scores(scores, topk) -> None:
     check_int("topk", topk, minimum=1, maximum=MAX_TOPK)
 
 
-def _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks) -> None:
+def _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks, index_scale) -> tuple[int, int]:
+    """The checks every indexer call shares; returns ``(B, N)``: requests and query rows."""
     check_index_cache(index_cache)
     di = index_cache.shape[2]
     check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
@@ -76,6 +77,8 @@ def _check_common(index_q, index_cache, block_table, topk, init_blocks, local_bl
         check_int("topk", topk, minimum=1, maximum=MAX_TOPK)
     check_int("init_blocks", init_blocks, minimum=0)
     check_int("local_blocks", local_blocks, minimum=0)
+    check_index_scale(index_cache, index_scale)  # FP8 keys (SPEC section 9)
+    return block_table.shape[0], index_q.shape[0]
 
 
 def _table_entries_check(block_table, blocks_used, num_blocks, cache: str = "the index cache"):
@@ -125,28 +128,21 @@ def check_decode(
     index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale=None
 ):
     """Validate a decode indexer call (``topk=NO_TOPK`` for the score entry points)."""
-    _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks)
-    check_index_scale(index_cache, index_scale)  # FP8 keys (SPEC section 9)
-    b, m = block_table.shape
-    n = index_q.shape[0]
+    b, n = _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks, index_scale)
     check_decode_rows("index_q", n, seq_lens, decode_query_len, b)
     check_same_device(index_q=index_q, index_cache=index_cache, block_table=block_table, seq_lens=seq_lens)
     if not validation_enabled() or n == 0:
         return
-    capacity = m * SPARSE_BLOCK_SIZE
+    m = block_table.shape[1]
     num_blocks = index_cache.shape[0]
     segments = [
-        Segment("all", seq_lens, hi=capacity),
+        Segment("all", seq_lens, hi=m * SPARSE_BLOCK_SIZE),
         Segment("len", block_table, lo=0, hi=num_blocks - 1, aux=seq_lens, unit=SPARSE_BLOCK_SIZE) if m else None,
     ]
 
     def detail() -> None:
-        _raise_first(
-            [
-                seq_lens_check(seq_lens, m),
-                _table_entries_check(block_table, blocks_used_decode(seq_lens, m), index_cache.shape[0]),
-            ]
-        )
+        blocks_used = blocks_used_decode(seq_lens, m)
+        _raise_first([seq_lens_check(seq_lens, m), _table_entries_check(block_table, blocks_used, num_blocks)])
 
     _value_checks(segments, detail)
 
@@ -155,10 +151,7 @@ def check_prefill(
     index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale=None
 ):
     """Validate a prefill indexer call (``topk=NO_TOPK`` for the score entry points)."""
-    _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks)
-    check_index_scale(index_cache, index_scale)  # FP8 keys (SPEC section 9)
-    b, m = block_table.shape
-    n = index_q.shape[0]
+    _b, n = _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks, index_scale)
     check_index("query_req_id", query_req_id, shape=(n,))
     check_index("query_abs_pos", query_abs_pos, shape=(n,))
     check_same_device(
@@ -168,27 +161,4 @@ def check_prefill(
         query_req_id=query_req_id,
         query_abs_pos=query_abs_pos,
     )
-    if not validation_enabled() or n == 0:
-        return
-    capacity = m * SPARSE_BLOCK_SIZE
-    num_blocks = index_cache.shape[0]
-    segments = [
-        Segment("live", query_req_id, lo=0, hi=b - 1, aux=query_abs_pos),
-        Segment("all", query_abs_pos, hi=capacity - 1),
-        Segment(
-            "gather", block_table, lo=0, hi=num_blocks - 1, aux=query_req_id, pos=query_abs_pos, unit=SPARSE_BLOCK_SIZE
-        )
-        if m
-        else None,
-    ]
-
-    def detail() -> None:
-        blocks_used = blocks_used_prefill(query_req_id, query_abs_pos, b, m)
-        _raise_first(
-            [
-                *prefill_row_checks(query_req_id, query_abs_pos, b, m),
-                _table_entries_check(block_table, blocks_used, index_cache.shape[0]),
-            ]
-        )
-
-    _value_checks(segments, detail)
+    check_table_entries(block_table, query_req_id, query_abs_pos, index_cache.shape[0], "the index cache")

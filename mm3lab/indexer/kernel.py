@@ -539,18 +539,10 @@ def _topk_rows(
                 blk_r = tl.reduce(tl.where(this[:, None], blk, -1), 0, _max)  # [K_BLOCK], row r's ids
                 p_r = tl.reduce(tl.where(this, p, -1), 0, _max)
                 req_r = tl.reduce(tl.where(this, req, 0), 0, _max)
+                bt_row = bt_ptr + req_r * stride_bb
+                out_row = sbt_ptr + row_r * (K * PAGES)
                 ctx = emit_sparse_block_table_row(
-                    blk_r,
-                    p_r,
-                    bt_ptr + req_r * stride_bb,
-                    stride_bm,
-                    M,
-                    sbt_ptr + row_r * (K * PAGES),
-                    K,
-                    K_BLOCK=K_BLOCK,
-                    BLOCK_PAGE_STRIDE=BLOCK_PAGE_STRIDE,
-                    SPARSE_BLOCK=SPARSE_BLOCK,
-                    PAGES=PAGES,
+                    blk_r, p_r, bt_row, stride_bm, M, out_row, K, K_BLOCK, BLOCK_PAGE_STRIDE, SPARSE_BLOCK, PAGES
                 )
                 tl.store(ctx_ptr + row_r, ctx)
 

@@ -114,8 +114,9 @@ def _decode_rows(seq_lens: torch.Tensor, decode_query_len: int) -> list[tuple[in
     return list(zip(req.tolist(), pos.tolist(), strict=True))
 
 
-def _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced) -> torch.Tensor:
+def _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced, index_scale) -> torch.Tensor:
     """``rows[n] = (request, p)``; the ``[H, N, M]`` float32 scores (``-inf`` for non-candidates)."""
+    index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     n_rows, h, _ = index_q.shape
     b, m = block_table.shape
     num_blocks = index_cache.shape[0]
@@ -137,6 +138,12 @@ def _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, 
                     force_scores(scores[head, n, :valid].tolist(), init_blocks, local_blocks), dtype=torch.float32
                 )
     return scores.to(index_q.device)
+
+
+def _select(index_q, index_cache, block_table, rows, topk: int, init_blocks, local_blocks, index_scale) -> torch.Tensor:
+    """``rows[n] = (request, p)``; steps 2-3: the forced scores, then their top-k."""
+    scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, True, index_scale)
+    return _topk(scores, rows, topk)
 
 
 def _topk(scores: torch.Tensor, rows, topk: int) -> torch.Tensor:
@@ -167,25 +174,13 @@ def index_scores_decode(
     *,
     index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Block scores of decode rows (step 2).
-
-    Args:
-        index_q: ``[N, H, Di]`` index queries, ``N = B * decode_query_len``.
-        index_cache: ``[num_blocks, 128, Di]`` index keys, the dtype of ``index_q``.
-        block_table: ``[B, M]`` logical -> physical block of each request.
-        seq_lens: ``[B]`` tokens per request, the decode queries included.
-        decode_query_len: query tokens per request.
-        init_blocks, local_blocks: forced blocks (used only with ``forced``).
-        forced: apply forcing and NaN -> ``-1e30`` (the scores top-k ranks); else raw maxima.
-    Returns:
-        ``[H, N, M]`` float32; ``-inf`` for every non-candidate block.
-    """
+    """Block scores of decode rows (step 2): ``[H, N, M]`` float32, ``-inf`` at every non-candidate;
+    forcing applied (and NaN as ``-1e30``) only with ``forced``. Arguments: :func:`mm3lab.index_scores_decode`."""
     check_decode(
         index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks, index_scale
     )
-    index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _decode_rows(seq_lens, decode_query_len)
-    return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
+    return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced, index_scale)
 
 
 def index_scores_prefill(
@@ -200,14 +195,13 @@ def index_scores_prefill(
     *,
     index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Block scores of prefill rows (step 2); arguments as :func:`index_scores_decode` except
-    ``query_req_id [N]`` / ``query_abs_pos [N]`` (negative position = padded row)."""
+    """Block scores of prefill rows (step 2), as :func:`index_scores_decode`; arguments:
+    :func:`mm3lab.index_scores_prefill`."""
     check_prefill(
         index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks, index_scale
     )
-    index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
-    return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced)
+    return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced, index_scale)
 
 
 def index_topk_decode(
@@ -223,16 +217,12 @@ def index_topk_decode(
     index_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Selected blocks of decode rows (steps 2-3): ``[H, N, topk]`` int32, ``-1`` padding.
-
-    Args: as :func:`index_scores_decode`, plus ``topk``, the blocks selected per row.
-    """
+    Arguments: :func:`mm3lab.index_topk_decode`."""
     check_decode(
         index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
     )
-    index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _decode_rows(seq_lens, decode_query_len)
-    scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced=True)
-    return _topk(scores, rows, topk)
+    return _select(index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks, index_scale)
 
 
 def index_topk_prefill(
@@ -251,10 +241,8 @@ def index_topk_prefill(
     check_prefill(
         index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
     )
-    index_q, index_cache = _dequantized(index_q, index_cache, index_scale)
     rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
-    scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced=True)
-    return _topk(scores, rows, topk)
+    return _select(index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks, index_scale)
 
 
 def index_topk_block_table_decode(
@@ -270,23 +258,14 @@ def index_topk_block_table_decode(
     *,
     index_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`index_topk_decode`, then :func:`mm3lab.reference.build_sparse_block_table_decode` on its result.
-
-    Returns:
-        ``(topk_idx [H, N, topk], sparse_bt [H, N, topk * 8], sparse_ctx [H, N])``, all int32.
-    """
-    check_block_page_stride(block_page_stride)
-    topk_idx = index_topk_decode(
-        index_q,
-        index_cache,
-        block_table,
-        seq_lens,
-        topk,
-        decode_query_len,
-        init_blocks,
-        local_blocks,
-        index_scale=index_scale,
+    """:func:`index_topk_decode`, then :func:`mm3lab.reference.build_sparse_block_table_decode` on its result:
+    ``(topk_idx, sparse_bt, sparse_ctx)`` as :func:`mm3lab.index_topk_block_table_decode` returns them."""
+    check_decode(
+        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
     )
+    check_block_page_stride(block_page_stride)
+    rows = _decode_rows(seq_lens, decode_query_len)
+    topk_idx = _select(index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks, index_scale)
     sparse_bt, sparse_ctx = build_sparse_block_table_decode(
         topk_idx, block_table, seq_lens, decode_query_len, block_page_stride
     )
@@ -307,18 +286,12 @@ def index_topk_block_table_prefill(
     index_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`index_topk_prefill`, then :func:`mm3lab.reference.build_sparse_block_table_prefill`."""
-    check_block_page_stride(block_page_stride)
-    topk_idx = index_topk_prefill(
-        index_q,
-        index_cache,
-        block_table,
-        query_req_id,
-        query_abs_pos,
-        topk,
-        init_blocks,
-        local_blocks,
-        index_scale=index_scale,
+    check_prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
     )
+    check_block_page_stride(block_page_stride)
+    rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
+    topk_idx = _select(index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks, index_scale)
     sparse_bt, sparse_ctx = build_sparse_block_table_prefill(
         topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride
     )

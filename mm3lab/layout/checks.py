@@ -9,9 +9,8 @@ from .._checks import (
     check_no_alias,
     check_out,
     check_same_device,
+    check_slots_inside,
     check_tensor,
-    first_bad_row,
-    validation_enabled,
     value_checks,
 )
 from .._valcheck import Segment
@@ -65,18 +64,7 @@ def check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_s
     check_index("slot_mapping", slot_mapping, shape=(n,))
     check_same_device(k_cache=k_cache, key=key, value=value, slot_mapping=slot_mapping)
     check_no_alias(k_cache=k_cache, v_cache=v_cache, inputs={"key": key, "value": value, "slot_mapping": slot_mapping})
-    if validation_enabled() and n:
-        capacity = (k_cache.shape[0] // block_page_stride) * SPARSE_BLOCK_SIZE
-
-        def detail() -> None:
-            row = first_bad_row(slot_mapping >= capacity)
-            if row is not None:
-                raise ValueError(
-                    f"slot_mapping: row {row} has slot {int(slot_mapping[row])}, past the cache's "
-                    f"{capacity} slots ({capacity // SPARSE_BLOCK_SIZE} blocks)"
-                )
-
-        value_checks([Segment("all", slot_mapping, hi=capacity - 1)], detail)
+    check_slots_inside(slot_mapping, cache_slots(k_cache, block_page_stride), "the cache")
     return block_page_stride
 
 
