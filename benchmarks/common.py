@@ -209,6 +209,23 @@ def fallback_reason() -> str | None:
     return "; ".join(f"{entry}: {rule}" for entry, rule in sorted(taken.items())) or None
 
 
+def msa_args(st: dict, cache, index_cache: torch.Tensor) -> tuple:
+    """The positional arguments of ``msa_decode`` / ``MSADecodePlan.run`` for one buffer set ``st``
+    (its queries, new token, block table and lengths) over ``cache`` (a ``KVCache``) and ``index_cache``."""
+    return (
+        st["q"],
+        st["key"],
+        st["value"],
+        st["index_q"],
+        st["index_k"],
+        cache.k_cache,
+        cache.v_cache,
+        index_cache,
+        st["block_table"],
+        st["seq_lens"],
+    )
+
+
 @dataclasses.dataclass
 class Context:
     """What every suite needs: the device, the measured copy bandwidth, the records so far."""

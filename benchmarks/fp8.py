@@ -42,7 +42,7 @@ import mm3lab
 from mm3lab.constants import SPARSE_BLOCK_SIZE
 from mm3lab.fp8 import FP8_DTYPE, quantize
 
-from .common import ROTATE_BYTES, Context, Timing, fallback_reason, num_sets
+from .common import ROTATE_BYTES, Context, Timing, fallback_reason, msa_args, num_sets
 
 TIME_CAP_S = 240.0
 """Seconds the grid may spend; later cells are skipped (and noted)."""
@@ -136,18 +136,7 @@ class GridProblem:
         ]
 
     def args(self, st) -> tuple:
-        return (
-            st["q"],
-            st["key"],
-            st["value"],
-            st["index_q"],
-            st["index_k"],
-            self.cache.k_cache,
-            self.cache.v_cache,
-            self.index_cache,
-            st["block_table"],
-            st["seq_lens"],
-        )
+        return msa_args(st, self.cache, self.index_cache)
 
     def step_fns(self) -> list:
         pairs = zip(self.plans, self.sets, strict=False)
@@ -301,33 +290,14 @@ def _run_cell(ctx: Context, batch: int, context: int, q_lens) -> None:
             base = dense.get(ql)
             if p.plans[0].uses_kernels:
                 stage_fns = p.stage_fns()
-                _record(
-                    ctx,
-                    "indexer_decode_grid",
-                    _shape(ctx, batch, context, ql, dtype, None),
-                    _time(ctx, stage_fns["indexer_scores"]),
-                    base,
-                    p.indexer_bytes(),
-                    fallback,
-                )
-                _record(
-                    ctx,
-                    "msa_decode_grid",
-                    _shape(ctx, batch, context, ql, dtype, "topk_block_table"),
-                    _time(ctx, stage_fns["topk_block_table"]),
-                    base,
-                    p.table_bytes(),
-                    fallback,
-                )
-                _record(
-                    ctx,
-                    "msa_decode_grid",
-                    _shape(ctx, batch, context, ql, dtype, "attention"),
-                    _time(ctx, stage_fns["attention"]),
-                    base,
-                    p.attention_bytes(),
-                    fallback,
-                )
+                # (record name, shape.stage, launch, bytes it reads)
+                for name, shape_stage, stage, nbytes in (
+                    ("indexer_decode_grid", None, "indexer_scores", p.indexer_bytes()),
+                    ("msa_decode_grid", "topk_block_table", "topk_block_table", p.table_bytes()),
+                    ("msa_decode_grid", "attention", "attention", p.attention_bytes()),
+                ):
+                    shape = _shape(ctx, batch, context, ql, dtype, shape_stage)
+                    _record(ctx, name, shape, _time(ctx, stage_fns[stage]), base, nbytes, fallback)
             elif "fp8 grid: stages" not in " ".join(ctx.notes):
                 ctx.notes.append(
                     f"fp8 grid: stages not timed on the {mm3lab.get_backend()} backend (no separate "

@@ -30,7 +30,7 @@ from mm3lab.constants import HEAD_DIM, INDEX_HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS
 from mm3lab.testing import relative_error
 
 from . import baselines
-from .common import ROTATE_BYTES, Context, Timing, fallback_reason, num_sets, time_replay
+from .common import ROTATE_BYTES, Context, Timing, fallback_reason, msa_args, num_sets, time_replay
 
 K128 = 128 * 1024
 
@@ -157,15 +157,20 @@ def _theirs(ctx: Context, fns, label: str) -> dict:
     return out
 
 
-def _fallback(fn) -> str | None:
-    fn()
-    return fallback_reason()
-
-
 def _free(ctx: Context) -> None:
     if ctx.cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def _per_batch(ctx: Context, batches, one) -> None:
+    """``one(ctx, batch)`` for each batch the suite still has time for (a skipped batch is noted), the
+    GPU memory freed after each."""
+    for batch in batches:
+        if ctx.out_of_time(f"batch {batch}"):
+            continue
+        one(ctx, batch)
+        _free(ctx)
 
 
 # ----------------------------------------------------------------------------
@@ -242,18 +247,7 @@ class DecodeProblem:
         }
 
     def msa_args(self, st) -> tuple:
-        return (
-            st["q"],
-            st["key"],
-            st["value"],
-            st["index_q"],
-            st["index_k"],
-            self.cache.k_cache,
-            self.cache.v_cache,
-            self.index_cache,
-            st["block_table"],
-            st["seq_lens"],
-        )
+        return msa_args(st, self.cache, self.index_cache)
 
     def attended_bytes(self) -> int:
         return self.attended_bytes_of(self.sets[0])
@@ -417,11 +411,7 @@ def run_launch_overhead(ctx: Context) -> dict:
 
 def run_attention_decode(ctx: Context) -> None:
     """``sparse_attention`` of decode rows at 128K against dense SDPA, gather + SDPA and FlexAttention."""
-    for batch in _shapes(ctx).attention_batches:
-        if ctx.out_of_time(f"batch {batch}"):
-            continue
-        _attention_decode_one(ctx, batch)
-        _free(ctx)
+    _per_batch(ctx, _shapes(ctx).attention_batches, _attention_decode_one)
 
 
 def _attention_decode_one(ctx, batch) -> None:
@@ -511,12 +501,7 @@ def _attention_decode_one(ctx, batch) -> None:
 
 def run_block_table(ctx: Context) -> None:
     """``build_sparse_block_table_decode`` (caller-owned outputs) against the same table as PyTorch ops."""
-    s = _shapes(ctx)
-    for batch in s.table_batches:
-        if ctx.out_of_time(f"batch {batch}"):
-            continue
-        _block_table_one(ctx, batch)
-        _free(ctx)
+    _per_batch(ctx, _shapes(ctx).table_batches, _block_table_one)
 
 
 def _block_table_one(ctx, batch) -> None:
@@ -550,12 +535,7 @@ def _block_table_one(ctx, batch) -> None:
 
 def run_indexer_decode(ctx: Context) -> None:
     """``index_topk_decode`` (scores + top-k) against einsum, block max and ``torch.topk``."""
-    s = _shapes(ctx)
-    for batch in s.indexer_batches:
-        if ctx.out_of_time(f"batch {batch}"):
-            continue
-        _indexer_decode_one(ctx, batch)
-        _free(ctx)
+    _per_batch(ctx, _shapes(ctx).indexer_batches, _indexer_decode_one)
 
 
 def _indexer_decode_one(ctx, batch) -> None:
@@ -681,11 +661,7 @@ def _gather_pipeline(p: DecodeProblem, scale: float):
 def run_msa_decode(ctx: Context) -> None:
     """One MSA decode step at 128K: ``msa_decode`` and ``MSADecodePlan`` (eager, and graph replay: the
     one-shot call captured, the plan's own ``graph=True``) against dense SDPA and the gather pipeline."""
-    for batch in _shapes(ctx).msa_batches:
-        if ctx.out_of_time(f"batch {batch}"):
-            continue
-        _msa_decode_one(ctx, batch)
-        _free(ctx)
+    _per_batch(ctx, _shapes(ctx).msa_batches, _msa_decode_one)
 
 
 def _msa_decode_one(ctx, batch) -> None:

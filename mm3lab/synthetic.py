@@ -45,6 +45,26 @@ SIGNAL_TOKENS = 8
 """Tokens of the needle (or sink) block that carry the signal."""
 
 
+class _TensorSize:
+    """A read-only attribute that is one size of a tensor field: ``_TensorSize("q", 1)`` reads
+    ``self.q.shape[1]``, so the sizes always agree with the tensors."""
+
+    def __init__(self, field: str, axis: int):
+        self.field, self.axis = field, axis
+        self.__doc__ = f"``{field}.shape[{axis}]``"
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None) -> int:
+        if obj is None:
+            return self
+        return getattr(obj, self.field).shape[self.axis]
+
+    def __set__(self, obj, value) -> None:
+        raise AttributeError(f"{self.name} is {self.__doc__}; it cannot be set")
+
+
 @dataclasses.dataclass(frozen=True)
 class SyntheticSequence:
     """One request's tokens with a planted structure.
@@ -71,30 +91,16 @@ class SyntheticSequence:
     signal_tokens: tuple[int, ...]
     seed: int
 
-    @property
-    def seq_len(self) -> int:
-        return self.index_k.shape[0]
+    seq_len = _TensorSize("index_k", 0)
+    num_kv_heads = _TensorSize("index_q", 1)
+    num_q_heads = _TensorSize("q", 1)
+    index_dim = _TensorSize("index_k", 1)
+    head_dim = _TensorSize("q", 2)
 
     @property
     def num_blocks(self) -> int:
         """Logical 128-token blocks the sequence spans."""
         return math.ceil(self.seq_len / SPARSE_BLOCK_SIZE)
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.index_q.shape[1]
-
-    @property
-    def num_q_heads(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def index_dim(self) -> int:
-        return self.index_k.shape[1]
-
-    @property
-    def head_dim(self) -> int:
-        return self.q.shape[2]
 
 
 def _check_positive(name: str, value) -> int:
@@ -327,17 +333,9 @@ class SyntheticLayer:
         )
 
     def dense_inputs(self) -> dict:
-        """Keyword arguments of :func:`mm3lab.msa.dense_decode` for this step."""
-        return dict(
-            q=self.q,
-            key=self.key,
-            value=self.value,
-            k_cache=self.cache.k_cache,
-            v_cache=self.cache.v_cache,
-            block_table=self.block_table,
-            seq_lens=self.seq_lens,
-            decode_query_len=self.decode_query_len,
-        )
+        """Keyword arguments of :func:`mm3lab.msa.dense_decode` for this step: :meth:`inputs` without the
+        indexer's (``index_q``, ``index_k``, ``index_cache``)."""
+        return {name: value for name, value in self.inputs().items() if not name.startswith("index_")}
 
 
 def synthetic_layer(

@@ -194,23 +194,31 @@ def plot_attention_mass(demo, row: int = 0, heads=None) -> Figure:
     fig = Figure(figsize=(10, 0.8 + 1.6 * len(heads)), layout="constrained")
     axes = fig.subplots(len(heads), 1, sharex=True, squeeze=False)[:, 0]
     for ax, h in zip(axes, heads, strict=False):
-        w = _np(demo.weights[row, h * group : (h + 1) * group].mean(0))[: p + 1]
-        for b in sorted({b for b in step.topk_idx[h, row].tolist() if b >= 0}):
-            ax.axvspan(
-                b * SPARSE_BLOCK_SIZE,
-                min((b + 1) * SPARSE_BLOCK_SIZE, p + 1),
-                color=SELECTED_COLOR,
-                alpha=0.15,
-                lw=0,
-                gid="selected-block",
-            )
-        ax.plot(np.arange(p + 1), w, color="black", lw=0.7)
-        kept = float(demo.mass[row, h * group : (h + 1) * group].mean())
+        blocks = {b for b in step.topk_idx[h, row].tolist() if b >= 0}
+        kept = _plot_weight(ax, demo, row, h, group, blocks, p)
         ax.set_title(f"head {h}: {kept:.1%} of the attention weight is in the selected blocks", fontsize=9, loc="left")
         ax.set_ylabel("weight")
-        ax.set_xlim(0, p + 1)
     axes[-1].set_xlabel("token position (shaded: selected blocks)")
     return fig
+
+
+def _plot_weight(ax, demo, row: int, h: int, group: int, blocks, p: int) -> float:
+    """KV head ``h``'s dense attention weight of query row ``row`` (the mean over its ``group`` query heads)
+    at positions ``0..p``, the selected ``blocks`` shaded; returns the weight share the selection keeps."""
+    heads = slice(h * group, (h + 1) * group)
+    w = _np(demo.weights[row, heads].mean(0))[: p + 1]
+    for b in sorted(blocks):
+        ax.axvspan(
+            b * SPARSE_BLOCK_SIZE,
+            min((b + 1) * SPARSE_BLOCK_SIZE, p + 1),
+            color=SELECTED_COLOR,
+            alpha=0.15,
+            lw=0,
+            gid="selected-block",
+        )
+    ax.plot(np.arange(p + 1), w, color="black", lw=0.7)
+    ax.set_xlim(0, p + 1)
+    return float(demo.mass[row, heads].mean())
 
 
 def plot_topk_sweep(sweeps: dict) -> Figure:
@@ -371,21 +379,9 @@ def plot_msa_demo(demo, row: int = 0) -> Figure:
         fontsize=10,
         loc="left",
     )
-    w = _np(demo.weights[row, :group].mean(0))[: p + 1]
-    for b in sorted(chosen):
-        ax_w.axvspan(
-            b * SPARSE_BLOCK_SIZE,
-            min((b + 1) * SPARSE_BLOCK_SIZE, p + 1),
-            color=SELECTED_COLOR,
-            alpha=0.15,
-            lw=0,
-            gid="selected-block",
-        )
-    ax_w.plot(np.arange(p + 1), w, color="black", lw=0.7)
-    ax_w.set_xlim(0, p + 1)
+    kept = _plot_weight(ax_w, demo, row, 0, group, chosen, p)
     ax_w.set_xlabel("token position (shaded: selected blocks)")
     ax_w.set_ylabel("dense weight")
-    kept = float(demo.mass[row, :group].mean())
     ax_w.set_title(
         f"head 0: {kept:.1%} of the attention weight kept; output error vs dense {demo.error:.3f}",
         fontsize=10,
