@@ -18,7 +18,8 @@ records anew (the normal launch path):
   specializes on both), and every cache and scale is the recorded tensor (same address,
   shape and strides);
 * a launch argument is either an input itself, or does not touch an input's memory (a
-  view of an input inside a launch would go stale: such a plan is never replayed);
+  view of an input inside a launch would go stale: such a run is not recorded), and no
+  tensor is passed as two inputs (``key`` and ``value`` one tensor: not recorded either);
 * no Triton launch hook is set (profilers), and the Triton version is one whose launcher
   this module was verified on (:data:`VERIFIED_TRITON`); on others plans launch normally.
 
@@ -80,6 +81,10 @@ class Recording:
         self.ok = True
         self.reason = ""
         self.replays = 0
+        if len({id(t) for t in inputs.values()}) < len(inputs):
+            # one tensor passed as two inputs: its launch arguments could not say which input they were
+            self.ok = False
+            self.reason = "one tensor is passed as two inputs"
 
     def _add(self, fn, args, kwargs, grid, kernel) -> None:
         from triton import knobs

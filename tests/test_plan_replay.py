@@ -136,3 +136,10 @@ def test_prefill_plan_replays_with_new_rows():
 def test_no_recording_where_kernels_are_interpreted():
     if mm3lab.backend.INTERPRETER:
         assert not _replay.supported()
+
+
+def test_a_run_with_one_tensor_as_two_inputs_is_not_recorded():
+    """Its launch arguments could not say which input they were (CPU: only the bookkeeping runs)."""
+    t, other = torch.zeros(2, 3), torch.zeros(2, 3)
+    assert not _replay.Recording({"key": t, "value": t}, ()).ok
+    assert _replay.Recording({"key": t, "value": other}, ()).ok
