@@ -146,11 +146,10 @@ def record(launch, inputs: dict, caches) -> Recording | None:
         return None
     rec = Recording(inputs, caches)
     original = JITFunction.run
-    owner = threading.get_ident()
 
     def run(self, *args, grid, warmup, **kwargs):
         kernel = original(self, *args, grid=grid, warmup=warmup, **kwargs)
-        if not warmup and threading.get_ident() == owner and getattr(_local, "recording", None) is rec:
+        if not warmup and getattr(_local, "recording", None) is rec:  # this thread's launches only
             rec._add(self, args, kwargs, grid, kernel)
         return kernel
 

@@ -33,6 +33,7 @@ that died mid-cell and a stress run would go on.
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import os
 import statistics
@@ -162,6 +163,7 @@ def _what_to_do(path: Path, timeout: int) -> str:
     )
 
 
+@functools.cache
 def _client_class():
     """nbclient's ``NotebookClient`` that remembers a SIGINT / SIGTERM.
 
@@ -245,14 +247,13 @@ def execute_notebook(path: Path, timeout: int = CELL_TIMEOUT_S, sliced_poll: boo
     t0 = time.monotonic()
     try:
         client.execute()
-        if client.interrupted:
-            raise KeyboardInterrupt
     except (Exception, KeyboardInterrupt) as e:
-        if client.interrupted:  # whatever the kernel's shutdown made the client raise
-            raise TourInterrupted(
-                f"{path.name}: {client.interrupted} {_where(current)}: the kernel was shut down and the tour stops"
-            ) from None
-        _raise_tour_error(e, path, current, timeout)
+        if not client.interrupted:  # after a signal: whatever the kernel's shutdown made the client raise
+            _raise_tour_error(e, path, current, timeout)
+    if client.interrupted:
+        raise TourInterrupted(
+            f"{path.name}: {client.interrupted} {_where(current)}: the kernel was shut down and the tour stops"
+        ) from None
     run.seconds = time.monotonic() - t0
     return nb, run
 
