@@ -130,6 +130,9 @@ class GridProblem:
                 decode_query_len=q_len,
                 topk=s.topk,
                 query_dtype=qdt,
+                # the per-row kernel throughout: the automatic choice (from 1024 rows) reads the
+                # selection back, which the graph capture that times the step cannot
+                algorithm="rows",
                 **self.scales,
             )
             for _ in self.sets

@@ -63,7 +63,9 @@ def quantize(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor
     """
     xf = x.float()
     amax = xf.abs().amax(dim=dim)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # (a tensor divisor: CUDA PyTorch divides by a Python scalar as a multiply by its reciprocal,
+    # which is not the correctly rounded quotient the kernels compute)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     values = (xf / scale.unsqueeze(dim)).to(FP8_DTYPE)
     return values, scale
 

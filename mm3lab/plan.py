@@ -452,10 +452,16 @@ class _MSAPlan:
     def _attend(self, q, caches, algorithm) -> None:
         """Attention into ``plan.out`` / ``plan.lse`` with ``algorithm`` (``None``: the one-shot rule; an FP8
         KV cache always takes the per-row kernel, as the one-shot call does)."""
-        from .attention import choose_algorithm, tiled
+        from .attention import TILED_MIN_ROWS, choose_algorithm, tiled
         from .attention.kernel import sparse_attention_kernel
 
         k_cache, v_cache, _, _, k_scale, v_scale = caches
+        if algorithm is None and self.rows >= TILED_MIN_ROWS and q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                f"algorithm: this plan of {self.rows} rows (>= {TILED_MIN_ROWS}) is being captured in a CUDA graph, "
+                "and its automatic choice reads the selection back, which a capture cannot; build it with "
+                "algorithm='rows' or 'tiled'"
+            )
         if algorithm is None:  # eager, >= TILED_MIN_ROWS rows: the one-shot rule
             algorithm = choose_algorithm(
                 self.rows, share=lambda: float(tiled.neighbour_share(self.sparse_bt, self.sparse_ctx))

@@ -317,6 +317,27 @@ def test_scoring_chunks_and_row_tiles(device, blocks_per_program, block_q, dtype
         assert_same_scores(got, want)
 
 
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scoring_either_dot_orientation(device, prefill, dtype):
+    """Lanes x tokens (the bf16 / fp16 / fp32 default) and tokens x lanes (the FP8 default) score
+    alike: the same rule, only the dot's operand order differs. A decode tile of 3 rows of 4 heads,
+    and prefill rows of two requests in one tile."""
+    gen = torch.Generator().manual_seed(11)
+    q, cache, bt, seq_lens = decode_problem(
+        gen, b=2, m=4, h=4, di=32, dql=3, seq_lens=[400, 200], device=device, dtype=dtype
+    )
+    if prefill:
+        req, pos = mm3lab.rows.decode_query_rows(seq_lens, 3)
+        want = reference.index_scores_prefill(q, cache, bt, req, pos, 1, 1, forced=True)
+    else:
+        req = pos = seq_lens
+        want = reference.index_scores_decode(q, cache, bt, seq_lens, 3, 1, 1, forced=True)
+    for tok_m in (False, True):
+        got = _kernel_scores(q, cache, bt, req, pos, 3 if not prefill else 1, prefill, True, tok_m=tok_m)
+        assert_same_scores(got, want)
+
+
 def test_prefill_tiles_that_mix_requests(device):
     """Rows of three requests interleaved in one tile: each row reads its own physical blocks."""
     gen = torch.Generator().manual_seed(4)

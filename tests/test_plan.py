@@ -276,6 +276,37 @@ def test_plan_kernel_choice_follows_the_one_shot_rule(device, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_automatic_kernel_choice_refuses_a_capture(monkeypatch):
+    """An eager plan whose automatic choice reads the selection back says so when a CUDA graph captures it
+    (instead of a capture error from the read), and one built with ``algorithm`` captures."""
+    from mm3lab import attention
+
+    monkeypatch.setattr(attention, "TILED_MIN_ROWS", 8)
+    layer = small_msa_layer("cuda", batch=1, context=300)
+    n = 16
+    req = torch.zeros(n, dtype=torch.int32, device="cuda")
+    pos = torch.arange(300 - n, 300, dtype=torch.int32, device="cuda")
+    args = _prefill_inputs("cuda", n)
+    for algorithm in (None, "rows"):
+        plan = _prefill_plan(layer, n, topk=2, algorithm=algorithm)
+        run_args = (*args, *_caches(layer), layer.block_table, req, pos)
+        with mm3lab.validation(False):
+            plan.run(*run_args)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                if algorithm is None:
+                    with pytest.raises(ValueError, match="captured in a CUDA graph"):
+                        plan.run(*run_args)
+                else:
+                    plan.run(*run_args)
+        if algorithm is not None:
+            graph.replay()
+            torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_graph_prefill_plan_replays_with_changing_positions_and_padded_rows():
     layer = synthetic_layer(
         700, batch=2, num_kv_heads=2, group_size=4, head_dim=64, index_dim=32, dtype=torch.bfloat16, device="cuda"
