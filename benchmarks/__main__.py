@@ -26,6 +26,10 @@ GOALS = {
     "prefill_dense_rate": 0.5,  # issue 15: tile / synthetic, useful FLOP rate over dense SDPA's
     "prefill_vs_flex_random": 10.0,  # issue 15: random selections, over FlexAttention
     "prefill_random_ms": 3.03,  # issue 15: random selections, no slower than the per-token kernel's old time
+    "indexer_bf16_copy_bw": 0.9,  # issue 16: bf16 scoring at batch 64, 128K, share of copy bandwidth (graph)
+    "indexer_fp8_copy_bw": 0.85,  # issue 16: FP8 scoring (keys and scales read), same shape
+    "step_fp8_vs_dense": 8.0,  # issue 16: the whole MSA step, FP8 index + FP8 KV, batch 64, 128K (graph)
+    "step_b1_vs_dense": 1.0,  # issue 16: the FP8 step at batch 1 from 8K context up (graph)
 }
 
 ENTRY_POINTS = (
@@ -46,7 +50,7 @@ def _key(r) -> tuple:
 
 
 def goals(records: list) -> list[dict]:
-    """Issue 14's and issue 15's goals, checked against the records (eager = validation on, the default)."""
+    """Issues 14, 15 and 16's goals, checked against the records (eager = validation on, the default)."""
     eager, graph, rows = {}, {}, []
 
     def row(goal, r, value, met):
@@ -81,6 +85,22 @@ def goals(records: list) -> list[dict]:
                 row(f"prefill (random) >= {g}x FlexAttention", r, speed, speed is not None and speed >= g)
                 g = GOALS["prefill_random_ms"]
                 row(f"prefill (random) <= {g} ms", r, round(r["ms"], 4), r["ms"] <= g)
+    for r in records:  # the fp8 decode grid (graph replays, query length 1)
+        shape = r["shape"]
+        if r.get("suite") != "fp8" or shape.get("q_len") != 1 or r.get("mode") != "graph":
+            continue
+        cell, dtype, speed = (shape.get("batch"), shape.get("context")), shape.get("dtype"), r.get("speedup")
+        if r["name"] == "indexer_decode_grid" and cell == (64, 131072):
+            g = GOALS[f"indexer_{dtype}_copy_bw"]
+            frac = r.get("fraction_of_copy_bw")
+            row(f"{dtype} indexer >= {g:.0%} of copy bandwidth", r, frac, frac is not None and frac >= g)
+        if r["name"] == "msa_decode_grid" and shape.get("stage") == "step" and dtype == "fp8":
+            if cell == (64, 131072):
+                g = GOALS["step_fp8_vs_dense"]
+                row(f"FP8 MSA step >= {g}x dense SDPA", r, speed, speed is not None and speed >= g)
+            if cell[0] == 1 and cell[1] >= 8192:
+                g = GOALS["step_b1_vs_dense"]
+                row(f"FP8 MSA step at batch 1 > {g}x dense SDPA", r, speed, speed is not None and speed > g)
     for key, r in eager.items():
         if key in graph:
             us = (r["ms"] - graph[key]["ms"]) * 1e3
@@ -151,9 +171,18 @@ def main(argv=None) -> int:
         default=None,
         help="merge results files (later files win per suite) into --out; runs nothing, no GPU",
     )
+    parser.add_argument(
+        "--mark-stale",
+        nargs="*",
+        metavar="SUITE=WHY",
+        help="with --merge: note that a suite's records no longer describe the code, and why (cleared when the "
+        "suite runs again)",
+    )
     args = parser.parse_args(argv)
+    if args.mark_stale and not args.merge:
+        parser.error("--mark-stale goes with --merge")
     if args.merge:
-        return _merge_files(args.merge, args.out)
+        return _merge_files(args.merge, args.out, dict(_stale_arg(parser, a) for a in args.mark_stale or ()))
     if not args.dry_run and not torch.cuda.is_available():
         print("the benchmarks need a CUDA GPU (or --dry-run for a CPU smoke run)", file=sys.stderr)
         return 2
@@ -276,11 +305,20 @@ def _check_goals(payload: dict) -> None:
     payload["meta"]["goals"] = goals(payload["records"])
 
 
-def _merge_files(paths, out) -> int:
+def _stale_arg(parser, text: str) -> tuple[str, str]:
+    suite, sep, why = text.partition("=")
+    if not sep or suite not in suites.SUITES or not why.strip():
+        names = ", ".join(sorted(suites.SUITES))
+        parser.error(f"--mark-stale: expected SUITE=WHY with a suite of {names}, got {text!r}")
+    return suite, why.strip()
+
+
+def _merge_files(paths, out, stale=None) -> int:
     merged = None
     for p in paths:
         payload = json.loads(Path(p).read_text())
         merged = merge_payloads(merged, payload)
+    merged["meta"]["stale"] = {**(merged["meta"].get("stale") or {}), **(stale or {})}
     _check_goals(merged)
     target = Path(out) if out else results_path(merged["meta"]["gpu"])
     target.write_text(json.dumps(merged, indent=1) + "\n")

@@ -379,7 +379,7 @@ def _previous(path: Path, gpu: str) -> dict | None:
 def merge_payloads(old: dict | None, new: dict) -> dict:
     """``new`` over ``old``: records of the suites ``new`` ran replace ``old``'s; the rest are kept.
 
-    ``meta``: ``new``'s, with ``suites`` / ``suite_seconds`` / ``failures`` / ``skipped`` merged per suite
+    ``meta``: ``new``'s, with ``suites`` / ``suite_seconds`` / ``failures`` / ``stale`` / ``skipped`` merged per suite
     (``skipped`` notes start with their suite's name) and ``runs`` listing every run's suites and seconds.
     """
     if old is None:
@@ -398,6 +398,7 @@ def merge_payloads(old: dict | None, new: dict) -> dict:
         keep += [r for r in old["records"] if r.get("suite") == "setup"]
     nm["suite_seconds"] = per_suite("suite_seconds")
     nm["failures"] = per_suite("failures")
+    nm["stale"] = per_suite("stale")  # a suite run again is current again
     nm["skipped"] = [n for n in om.get("skipped", []) if n.split(":", 1)[0] not in ran] + list(nm.get("skipped", []))
     ids = {r.get("id") for r in nm.get("runs", [])}  # a run saving after each suite replaces its own entry
     nm["runs"] = [r for r in om.get("runs", []) if r.get("id") is None or r.get("id") not in ids]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 import mm3lab
@@ -13,6 +14,7 @@ from benchmarks import __main__ as cli
 from benchmarks import suites
 from benchmarks.common import bench, num_sets, time_eager
 from mm3lab.constants import SPARSE_BLOCK_SIZE
+from mm3lab.viz import performance
 
 RECORD_KEYS = {
     "suite",
@@ -139,6 +141,14 @@ def test_runs_of_some_suites_merge_into_one_file(tmp_path):
     both = json.loads(merged.read_text())
     assert sum(r["suite"] == "index_cache" for r in both["records"]) == counts["index_cache"]
     assert {r["suite"] for r in both["records"]} == {"topk", "index_cache", "block_table"}
+    # a suite marked stale says so until it runs again
+    assert run_cli(["--merge", str(merged), "--out", str(merged), "--mark-stale", "topk=kernel changed"]) == 0
+    assert json.loads(merged.read_text())["meta"]["stale"] == {"topk": "kernel changed"}
+    assert performance.stale_note(json.loads(merged.read_text()), "topk") == "suite topk is stale: kernel changed"
+    assert run_cli(["--dry-run", "--only", "topk", "--out", str(merged), "--calls", "1", "--samples", "1"]) == 0
+    assert json.loads(merged.read_text())["meta"]["stale"] == {}
+    with pytest.raises(SystemExit):
+        run_cli(["--merge", str(merged), "--out", str(merged), "--mark-stale", "nosuch=why"])
 
 
 def test_a_spent_budget_skips_shapes_and_says_so(tmp_path):

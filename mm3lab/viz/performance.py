@@ -393,7 +393,15 @@ def meta_text(results: dict) -> str:
         lines.append(f"each time: median of {meta['samples']} samples of {meta['calls_per_sample']} calls")
     for name, why in sorted((meta.get("failures") or {}).items()):
         lines.append(f"suite {name} failed in this run: {str(why)[:120]}")
+    for name in sorted(meta.get("stale") or {}):
+        lines.append(stale_note(results, name))
     return "\n".join(lines)
+
+
+def stale_note(results: dict, suite: str) -> str:
+    """A line saying that ``suite``'s records predate a change to the code they time ("" when current)."""
+    why = (results["meta"].get("stale") or {}).get(suite)
+    return f"suite {suite} is stale: {why}" if why else ""
 
 
 def mode_of(record: dict) -> str:
@@ -558,6 +566,8 @@ def breakdown_text(results: dict, batch: int, context: int) -> str:
             f"as {MODE_TEXT[b['mode']]}s"
         )
     ]
+    if stale_note(results, "msa_decode_stages"):
+        lines.append("  " + stale_note(results, "msa_decode_stages"))
     for stage, r in b["stages"]:
         share = r["ms"] / b["sum_ms"] if b["sum_ms"] else 0.0
         nbytes, copy = _stage_bytes(r), results["meta"].get("copy_TBps")
