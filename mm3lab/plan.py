@@ -118,6 +118,7 @@ class _MSAPlan:
     """What decode and prefill plans share; see the module docstring."""
 
     _prefill = False
+    _staging = False  # set while stages() runs run()
     _ROW_INPUTS: tuple[str, ...] = ()  # the rows' inputs, after ``block_table`` (as the one-shot function takes them)
 
     def __init__(
@@ -472,7 +473,17 @@ class _MSAPlan:
         else:
             sparse_attention_kernel(q, k_cache, v_cache, *tables, k_scale, v_scale, workspace=self.workspace)
 
+    def stages(self, *args, **kwargs) -> dict:
+        """The step's launches as callables, arguments as :meth:`run`; see :meth:`_stages`."""
+        self._staging = True
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            self._staging = False
+
     def _run(self, inputs: dict, caches):
+        if self._staging:  # (stages(): the launches as callables instead of a run)
+            return self._stages(inputs, caches)
         self._check_inputs(inputs, caches)
         if validation_enabled() and not _capturing():
             self._value_checks(inputs)
@@ -620,26 +631,6 @@ class MSADecodePlan(_MSAPlan):
         inputs = self._inputs(q, key, value, index_q, index_k, block_table, seq_lens)
         return self._run(inputs, (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale))
 
-    def stages(
-        self,
-        q,
-        key,
-        value,
-        index_q,
-        index_k,
-        k_cache,
-        v_cache,
-        index_cache,
-        block_table,
-        seq_lens,
-        *,
-        index_scale=None,
-        k_scale=None,
-        v_scale=None,
-    ):
-        """The step's launches as callables, arguments as :meth:`run`; see :meth:`_MSAPlan._stages`."""
-        inputs = self._inputs(q, key, value, index_q, index_k, block_table, seq_lens)
-        return self._stages(inputs, (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale))
 
 
 class MSAPrefillPlan(_MSAPlan):
@@ -701,24 +692,3 @@ class MSAPrefillPlan(_MSAPlan):
             self.req, self.pos = query_req_id, query_abs_pos
         return self._run(inputs, (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale))
 
-    def stages(
-        self,
-        q,
-        key,
-        value,
-        index_q,
-        index_k,
-        k_cache,
-        v_cache,
-        index_cache,
-        block_table,
-        query_req_id,
-        query_abs_pos,
-        *,
-        index_scale=None,
-        k_scale=None,
-        v_scale=None,
-    ):
-        """The step's launches as callables, arguments as :meth:`run`; see :meth:`_MSAPlan._stages`."""
-        inputs = self._inputs(q, key, value, index_q, index_k, block_table, query_req_id, query_abs_pos)
-        return self._stages(inputs, (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale))

@@ -124,11 +124,15 @@ def tile_block_counts(
     topk_idx: torch.Tensor, query_abs_pos: torch.Tensor, head: int = 0, tile: int = SPARSE_BLOCK_SIZE
 ) -> np.ndarray:
     """``[tiles, blocks]``: how many of the tile's ``tile`` consecutive rows chose each block."""
-    vis = visible_tokens(topk_idx, query_abs_pos, head) > 0
-    tiles = -(-vis.shape[0] // tile)
-    padded = np.zeros((tiles * tile, vis.shape[1]), dtype=bool)
-    padded[: vis.shape[0]] = vis
-    return padded.reshape(tiles, tile, -1).sum(1)
+    return _in_tiles(visible_tokens(topk_idx, query_abs_pos, head) > 0, tile).sum(1)
+
+
+def _in_tiles(rows: np.ndarray, tile: int) -> np.ndarray:
+    """``rows [N, blocks]`` as ``[tiles, tile, blocks]``, the last tile padded with zero rows."""
+    tiles = -(-rows.shape[0] // tile)
+    padded = np.zeros((tiles * tile, rows.shape[1]), dtype=rows.dtype)
+    padded[: rows.shape[0]] = rows
+    return padded.reshape(tiles, tile, -1)
 
 
 def bytes_per_tile(
@@ -144,11 +148,7 @@ def bytes_per_tile(
     Per-token kernel: each row reads the tokens it attends. Tiled kernel: each token
     that at least one row of the tile attends is read once.
     """
-    vis = visible_tokens(topk_idx, query_abs_pos, head)
-    tiles = -(-vis.shape[0] // tile)
-    padded = np.zeros((tiles * tile, vis.shape[1]), dtype=np.int64)
-    padded[: vis.shape[0]] = vis
-    per_token = padded.reshape(tiles, tile, -1)
+    per_token = _in_tiles(visible_tokens(topk_idx, query_abs_pos, head).astype(np.int64), tile)
     token_bytes = 2 * head_dim * elem_bytes
     return per_token.sum((1, 2)) * token_bytes, per_token.max(1).sum(1) * token_bytes
 
