@@ -632,7 +632,6 @@ class MSADecodePlan(_MSAPlan):
         return self._run(inputs, (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale))
 
 
-
 class MSAPrefillPlan(_MSAPlan):
     """A planned :func:`mm3lab.msa_prefill` (SPEC section 8); see :mod:`mm3lab.plan`.
 
@@ -691,4 +690,3 @@ class MSAPrefillPlan(_MSAPlan):
         if not self.graph:
             self.req, self.pos = query_req_id, query_abs_pos
         return self._run(inputs, (k_cache, v_cache, index_cache, index_scale, k_scale, v_scale))
-
