@@ -119,6 +119,7 @@ SUITE_WEIGHTS = {
     "index_cache": 0.5,
     "msa_decode": 2.0,
     "msa_decode_stages": 3.0,
+    "indexer_tuning": 1.0,
 }
 """Relative share of ``--budget`` per suite (a suite not listed: 1). A suite past its share starts no new shape."""
 
