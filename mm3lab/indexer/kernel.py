@@ -439,8 +439,8 @@ def index_scores_kernel(
     elif backend.INTERPRETER or index_q.device.type != "cuda":
         blocks_per_program = m  # few, long programs: the interpreter pays per program
     else:
-        # enough programs to fill every SM, even at batch 1 (FP8: twice as many, shorter ones, were
-        # 3% faster at batch 64)
+        # enough programs to fill every SM, even at batch 1 (FP8 keys: twice as many, each half as
+        # long, since a block is half the bytes)
         target = (16 if fp8 else 8) * _num_sms(index_q.device)
         blocks_per_program = max(4, triton.cdiv(tiles * m, target))
     chunks = triton.cdiv(m, blocks_per_program)
