@@ -457,7 +457,7 @@ class _MSAPlan:
         from .attention.kernel import sparse_attention_kernel
 
         k_cache, v_cache, _, _, k_scale, v_scale = caches
-        if algorithm is None and self.rows >= TILED_MIN_ROWS and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        if algorithm is None and self.rows >= TILED_MIN_ROWS and _capturing():
             raise ValueError(
                 f"algorithm: this plan of {self.rows} rows (>= {TILED_MIN_ROWS}) is being captured in a CUDA graph, "
                 "and its automatic choice reads the selection back, which a capture cannot; build it with "
