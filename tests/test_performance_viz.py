@@ -329,3 +329,25 @@ def test_grid_heatmap_draws_the_whole_step_not_its_stages():
     results = {"meta": {"gpu": "GPU"}, "records": [rec("step", 4.3), rec("attention", 51.5)]}
     texts = [t.get_text() for t in performance.plot_grid_heatmap(results).axes[0].texts]
     assert texts == ["4.3x"]
+
+
+def test_tuning_text_lists_every_configuration_against_the_default():
+    assert "indexer_tuning" in performance.tuning_text(RESULTS)  # none measured: says how to measure
+    shape = {"batch": 64, "context": 131072, "dtype": "fp8", "num_stages": 5, "orientation": "tokens_x_lanes"}
+    recs = [
+        {
+            **_record("indexer_scores_config", {**shape, "default": True}, 0.33, "default_config", 0.33, 3.3),
+            "mode": "graph",
+        },
+        {
+            **_record(
+                "indexer_scores_config", {**shape, "num_stages": 2, "default": False}, 0.5, "default_config", 0.33, 2.2
+            ),
+            "mode": "graph",
+        },
+    ]
+    text = performance.tuning_text({"meta": RESULTS["meta"], "records": recs})
+    lines = text.splitlines()
+    assert lines[0].startswith("fp8 index keys")
+    assert "stages 2" in lines[1] and "0.66x the default" in lines[1] and "55% of copy bandwidth" in lines[1]
+    assert "stages 5" in lines[2] and lines[2].endswith("<- default") and "1.00x" in lines[2]

@@ -857,6 +857,29 @@ def prefill_text(results: dict) -> str:
     return "\n".join(lines)
 
 
+def tuning_text(results: dict) -> str:
+    """The indexer's scoring launch in every measured configuration (``indexer_tuning`` suite): time
+    with its mode, share of copy bandwidth and speedup over the kernel's default, per key dtype."""
+    recs = records(results, "indexer_scores_config")
+    if not recs:
+        return "no indexer_scores_config records in this results file (python3 -m benchmarks --only indexer_tuning)"
+    lines = []
+    for dtype in sorted({r["shape"].get("dtype") for r in recs}):
+        sub = [r for r in recs if r["shape"].get("dtype") == dtype]
+        shape = short_shape({k: sub[0]["shape"][k] for k in ("batch", "context") if k in sub[0]["shape"]})
+        lines.append(f"{dtype} index keys, {shape}: the scoring launch per configuration")
+        for r in sorted(sub, key=lambda r: (r["shape"].get("orientation", ""), r["shape"].get("num_stages", 0))):
+            frac = r.get("fraction_of_copy_bw")
+            share = f"{frac:.0%} of copy bandwidth" if frac is not None else "-"
+            speed = f"{r['speedup']:.2f}x the default" if r.get("speedup") is not None else ""
+            mark = "  <- default" if r["shape"].get("default") else ""
+            lines.append(
+                f"  {r['shape'].get('orientation', '-'):<22} stages {r['shape'].get('num_stages', '-')}  "
+                f"{timed(r):>18}  {share:>22}  {speed}{mark}"
+            )
+    return "\n".join(lines)
+
+
 def _variant(r: dict) -> str:
     m = mode_of(r)
     if m == "eager":
