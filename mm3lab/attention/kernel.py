@@ -15,6 +15,12 @@ With one split the first kernel writes the final output directly.
 The layout does not appear here: a page id reaches K through ``k_cache`` and V
 through ``v_cache`` in both layouts (SPEC section 4), so dense and packed caches
 differ only in the page ids of the table.
+
+The device helpers (the online-softmax update, one step over a row's pages, a
+whole row, the final normalization) also serve the tiled kernel (``tiled.py``).
+Groups of runtime values that travel together between them (a head's K/V views
+and strides, the FP8 scale views, a row's page ids and stride, the softmax state)
+are passed as tuples.
 """
 
 from __future__ import annotations
@@ -36,29 +42,40 @@ _LN2 = tl.constexpr(LN2)  # usable inside kernels
 
 
 @triton.jit
+def _online_softmax(scores, m_i, l_i):
+    """One block of the online softmax: ``(p, alpha, m_new, l_new)``.
+
+    ``scores`` ``[M, BLOCK_N]`` are base 2 with ``-inf`` where masked; ``m_i`` is the running max
+    (base 2) and ``l_i`` the running sum of ``exp2(score - m_i)``, both ``[M]`` float32. The caller
+    folds the block's values in: ``acc = acc * alpha[:, None] + p @ v``.
+    """
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: avoid -inf - -inf
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _finish(state):
+    """The normalized output and the natural-log LSE of a state (zeros and ``-inf`` where nothing was seen)."""
+    m_i, l_i, acc = state
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i * _LN2 + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
 def _attend_step(
     q,  # [GROUP_PAD, D_PAD] query tile of the group
-    k_head,
-    v_head,  # K / V views offset to this KV head
-    bt_row,  # this row's page ids
+    cache,  # (k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr): this KV head's K / V views
+    scales,  # (ks_head, vs_head, stride_ksp, stride_ksr, stride_vsp, stride_vsr): read only when FP8
+    bt_row,  # (this row's page ids, their stride)
     start,
     tok_hi,  # tokens start .. start + BLOCK_N - 1 of the row, those < tok_hi are live
-    num_pages,
     qk_scale,
-    m_i,
-    l_i,
-    acc,  # online-softmax state: running max (base 2), running sum, unnormalized output
-    stride_kp,
-    stride_kr,
-    stride_vp,
-    stride_vr,
-    stride_bw,
-    ks_head,
-    vs_head,
-    stride_ksp,
-    stride_ksr,
-    stride_vsp,
-    stride_vsr,
+    state,  # (m_i, l_i, acc): running max (base 2), running sum, unnormalized output, all float32
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -72,11 +89,14 @@ def _attend_step(
     score column in float32; the values are dequantized (times their scale) in float32, then
     rounded to q's dtype for the second dot.
     """
+    k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr = cache
+    ks_head, vs_head, stride_ksp, stride_ksr, stride_vsp, stride_vsr = scales
+    bt_ptr, stride_bw = bt_row
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     tok = start + tl.arange(0, BLOCK_N)
     in_ctx = tok < tok_hi
-    page = tl.load(bt_row + (tok // PAGE) * stride_bw, mask=in_ctx, other=0).to(tl.int64)
+    page = tl.load(bt_ptr + (tok // PAGE) * stride_bw, mask=in_ctx, other=0).to(tl.int64)
     ok = in_ctx & (page >= 0) & (page < num_pages)  # a page outside the cache is never read
     row = (tok % PAGE).to(tl.int64)
     kv_mask = ok[:, None] & d_ok[None, :]
@@ -88,19 +108,55 @@ def _attend_step(
         k_sc = tl.load(ks_head + page * stride_ksp + row * stride_ksr, mask=ok, other=0.0)
         scores = scores * k_sc[None, :]
     scores = tl.where(ok[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: avoid -inf - -inf
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(scores - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_i, l_i, acc = state
+    p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
     v = tl.load(v_head + (page * stride_vp + row * stride_vr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if FP8:
         v_sc = tl.load(vs_head + page * stride_vsp + row * stride_vsr, mask=ok, other=0.0)
         v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_row(
+    q,  # [M, D_PAD] query tile: the query heads of one row that share a KV head
+    cache,
+    scales,
+    bt_row,  # as in _attend_step
+    tok_lo,
+    tok_hi,  # the row's tokens tok_lo .. tok_hi - 1
+    qk_scale,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """The online-softmax state of ``q`` over a range of one row's page list, ``BLOCK_N`` tokens a step."""
+    M: tl.constexpr = q.shape[0]
+    D_PAD: tl.constexpr = q.shape[1]
+    state = (
+        tl.full([M], float("-inf"), dtype=tl.float32),
+        tl.zeros([M], dtype=tl.float32),
+        tl.zeros([M, D_PAD], dtype=tl.float32),
+    )
+    # Both loops run the same steps: the interpreter cannot run range() with runtime bounds (a while
+    # loop it can), and the compiled range() loop is the one the compiler pipelines.
+    if INTERPRETED:
+        start = tok_lo
+        while start < tok_hi:
+            state = _attend_step(
+                q, cache, scales, bt_row, start, tok_hi, qk_scale, state, D, D_PAD, BLOCK_N, PAGE, DOT_PRECISION, FP8
+            )
+            start += BLOCK_N
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+        for start in range(tok_lo, tok_hi, BLOCK_N):
+            state = _attend_step(
+                q, cache, scales, bt_row, start, tok_hi, qk_scale, state, D, D_PAD, BLOCK_N, PAGE, DOT_PRECISION, FP8
+            )
+    return state
 
 
 @triton.jit
@@ -175,85 +231,17 @@ def _sparse_attention_fwd(
         other=0.0,
     )
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max, base 2
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(score - m_i)
-    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
-    bt_row = bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn
+    bt_row = (bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn, stride_bw)
     k_head = k_ptr + h.to(tl.int64) * stride_kh
     v_head = v_ptr + h.to(tl.int64) * stride_vh
+    cache = (k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr)
     ks_head = ks_ptr + h.to(tl.int64) * stride_ksh
     vs_head = vs_ptr + h.to(tl.int64) * stride_vsh
-
-    if INTERPRETED:  # the interpreter cannot run range() with runtime bounds; a while loop it can
-        start = tok_lo
-        while start < tok_hi:
-            m_i, l_i, acc = _attend_step(
-                q,
-                k_head,
-                v_head,
-                bt_row,
-                start,
-                tok_hi,
-                num_pages,
-                qk_scale,
-                m_i,
-                l_i,
-                acc,
-                stride_kp,
-                stride_kr,
-                stride_vp,
-                stride_vr,
-                stride_bw,
-                ks_head,
-                vs_head,
-                stride_ksp,
-                stride_ksr,
-                stride_vsp,
-                stride_vsr,
-                D,
-                D_PAD,
-                BLOCK_N,
-                PAGE,
-                DOT_PRECISION,
-                FP8,
-            )
-            start += BLOCK_N
-    else:
-        for start in range(tok_lo, tok_hi, BLOCK_N):
-            m_i, l_i, acc = _attend_step(
-                q,
-                k_head,
-                v_head,
-                bt_row,
-                start,
-                tok_hi,
-                num_pages,
-                qk_scale,
-                m_i,
-                l_i,
-                acc,
-                stride_kp,
-                stride_kr,
-                stride_vp,
-                stride_vr,
-                stride_bw,
-                ks_head,
-                vs_head,
-                stride_ksp,
-                stride_ksr,
-                stride_vsp,
-                stride_vsr,
-                D,
-                D_PAD,
-                BLOCK_N,
-                PAGE,
-                DOT_PRECISION,
-                FP8,
-            )
-
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i * _LN2 + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    scales = (ks_head, vs_head, stride_ksp, stride_ksr, stride_vsp, stride_vsr)
+    state = _attend_row(
+        q, cache, scales, bt_row, tok_lo, tok_hi, qk_scale, D, BLOCK_N, PAGE, DOT_PRECISION, FP8, INTERPRETED
+    )
+    out, lse = _finish(state)
     o_off = n.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
     l_off = n.to(tl.int64) * stride_ln + heads * stride_lh
     if ONE_SPLIT:

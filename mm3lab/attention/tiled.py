@@ -26,7 +26,9 @@ When a tile's rows share little (union close to the sum of the rows' pages, as
 with independent random selections), walking the union costs ``T`` times the
 tensor-core work of the per-row kernel for the same bytes. Such a tile switches,
 inside the same program, to walking each row's own page list (the per-row
-algorithm): the rule is ``union_pages > row_mode_factor * row_pages``.
+algorithm, with the per-row kernel's own steps): the rule is
+``union_pages > row_mode_factor * row_pages``. Both walks share the per-row
+kernel's online-softmax update.
 """
 
 from __future__ import annotations
@@ -40,10 +42,7 @@ import triton.language as tl
 from .. import backend
 from ..constants import PAGE_SIZE
 from .checks import readable_pages
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-_LN2 = tl.constexpr(LN2)
+from .kernel import LOG2E, _attend_row, _finish, _online_softmax
 
 ROW_MODE_FACTOR = 0.5
 """A tile walks its rows one by one when its union has more than this fraction of its rows' pages."""
@@ -104,71 +103,14 @@ def neighbour_share(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor) -> torch.
 
 
 @triton.jit
-def _row_step(
-    q,
-    k_head,
-    v_head,
-    bt_row,
-    start,
-    tok_hi,
-    num_pages,
-    qk_scale,
-    m_i,
-    l_i,
-    acc,
-    stride_kp,
-    stride_kr,
-    stride_vp,
-    stride_vr,
-    stride_bw,
-    D: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One online-softmax step of one row over ``BLOCK_N`` tokens of its own page list."""
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < D
-    tok = start + tl.arange(0, BLOCK_N)
-    in_ctx = tok < tok_hi
-    page = tl.load(bt_row + (tok // PAGE) * stride_bw, mask=in_ctx, other=0).to(tl.int64)
-    ok = in_ctx & (page >= 0) & (page < num_pages)
-    row = (tok % PAGE).to(tl.int64)
-    kv_mask = ok[:, None] & d_ok[None, :]
-    k = tl.load(k_head + (page * stride_kp + row * stride_kr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    scores = tl.where(ok[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(scores - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_head + (page * stride_vp + row * stride_vr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _tile_step(
-    q,
-    k_head,
-    v_head,
-    union_row,
+    q,  # [T * GP, D_PAD] the tile's query vectors, row-major over (row, head)
+    cache,  # (k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr), as in kernel._attend_step
+    union,  # (the tile's union pages, their count)
     start,
-    count,
-    bt_tile,
-    full_slot,
-    part_slot,
-    num_pages,
+    slots,  # (bt_tile, full_slot, part_slot) [T, W_PAD]: page ids, whole-page and tail-token counts per slot
     qk_scale,
-    m_i,
-    l_i,
-    acc,
-    stride_kp,
-    stride_kr,
-    stride_vp,
-    stride_vr,
+    state,  # (m_i, l_i, acc), as in kernel._attend_step
     T: tl.constexpr,
     GP: tl.constexpr,
     D: tl.constexpr,
@@ -179,6 +121,9 @@ def _tile_step(
 ):
     """One online-softmax step of the whole tile over union pages ``start .. start + PAGES - 1``."""
     BLOCK_N: tl.constexpr = PAGES * PAGE
+    k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr = cache
+    union_row, count = union
+    bt_tile, full_slot, part_slot = slots
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     offs_p = tl.arange(0, PAGES)
@@ -201,50 +146,37 @@ def _tile_step(
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N]
     live = (weight > 0) & ok[None, :]
     scores = tl.where(live, scores + tl.log2(tl.maximum(weight, 1).to(tl.float32)), float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(scores - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_i, l_i, acc = state
+    p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
     v = tl.load(v_head + (page * stride_vp + row * stride_vr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_rows(outs, n, heads, ok, state, D: tl.constexpr, D_PAD: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Write the normalized output (and LSE) of a state's query vectors: row ``n``, query head ``heads``
+    (``[M]`` each, or one row for all), where ``ok``."""
+    o_ptr, stride_on, stride_oh, lse_ptr, stride_ln, stride_lh = outs
+    out, lse = _finish(state)
+    offs_d = tl.arange(0, D_PAD)
+    n = n.to(tl.int64)
+    tl.store(
+        o_ptr + (n * stride_on + heads * stride_oh)[:, None] + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=ok[:, None] & (offs_d < D)[None, :],
+    )
+    if WRITE_LSE:
+        tl.store(lse_ptr + n * stride_ln + heads * stride_lh, lse, mask=ok)
 
 
 @triton.jit
 def _walk_union(
-    q_ptr,
-    k_head,
-    v_head,
-    bt_ptr,
-    ctx_ptr,
-    o_ptr,
-    lse_ptr,
-    h,
-    row0,
-    n_rows,
-    num_pages,
-    width,
-    qk_scale,
-    stride_qn,
-    stride_qh,
-    stride_qd,
-    stride_kp,
-    stride_kr,
-    stride_vp,
-    stride_vr,
-    stride_bh,
-    stride_bn,
-    stride_bw,
-    stride_ch,
-    stride_cn,
-    stride_on,
-    stride_oh,
-    stride_ln,
-    stride_lh,
-    group,
-    union_row,
-    count,
+    query,  # (q_ptr, stride_qn, stride_qh, stride_qd, qk_scale)
+    cache,  # (k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr)
+    table,  # (bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width)
+    outs,  # (o_ptr, stride_on, stride_oh, lse_ptr, stride_ln, stride_lh)
+    tile,  # (KV head h, first row row0, n_rows, group, the tile's union pages, their count)
     T: tl.constexpr,
     GP: tl.constexpr,
     W_PAD: tl.constexpr,
@@ -257,6 +189,10 @@ def _walk_union(
     INTERPRETED: tl.constexpr,
 ):
     """The tile's ``T * G`` query vectors walk the union of the tile's pages once."""
+    q_ptr, stride_qn, stride_qh, stride_qd, qk_scale = query
+    bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width = table
+    h, row0, n_rows, group, union_row, count = tile
+    union = (union_row, count)
     M: tl.constexpr = T * GP
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
@@ -286,114 +222,35 @@ def _walk_union(
     bt_tile = tl.where(used, bt_tile, -1)
     full_slot = ((offs_w[None, :] + 1) * PAGE <= ctx_t[:, None]).to(tl.int32)  # [T, W_PAD]
     part_slot = tl.where(used & (full_slot == 0), ctx_t[:, None] - offs_w[None, :] * PAGE, 0)
+    slots = (bt_tile, full_slot, part_slot)
 
-    m_i = tl.full([M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([M], dtype=tl.float32)
-    acc = tl.zeros([M, D_PAD], dtype=tl.float32)
-    if INTERPRETED:
+    state = (
+        tl.full([M], float("-inf"), dtype=tl.float32),
+        tl.zeros([M], dtype=tl.float32),
+        tl.zeros([M, D_PAD], dtype=tl.float32),
+    )
+    if INTERPRETED:  # the same steps as the range() loop below (see kernel._attend_row)
         start = 0
         while start < count:
-            m_i, l_i, acc = _tile_step(
-                q,
-                k_head,
-                v_head,
-                union_row,
-                start,
-                count,
-                bt_tile,
-                full_slot,
-                part_slot,
-                num_pages,
-                qk_scale,
-                m_i,
-                l_i,
-                acc,
-                stride_kp,
-                stride_kr,
-                stride_vp,
-                stride_vr,
-                T,
-                GP,
-                D,
-                D_PAD,
-                PAGES,
-                PAGE,
-                DOT_PRECISION,
+            state = _tile_step(
+                q, cache, union, start, slots, qk_scale, state, T, GP, D, D_PAD, PAGES, PAGE, DOT_PRECISION
             )
             start += PAGES
     else:
         for start in range(0, count, PAGES):
-            m_i, l_i, acc = _tile_step(
-                q,
-                k_head,
-                v_head,
-                union_row,
-                start,
-                count,
-                bt_tile,
-                full_slot,
-                part_slot,
-                num_pages,
-                qk_scale,
-                m_i,
-                l_i,
-                acc,
-                stride_kp,
-                stride_kr,
-                stride_vp,
-                stride_vr,
-                T,
-                GP,
-                D,
-                D_PAD,
-                PAGES,
-                PAGE,
-                DOT_PRECISION,
+            state = _tile_step(
+                q, cache, union, start, slots, qk_scale, state, T, GP, D, D_PAD, PAGES, PAGE, DOT_PRECISION
             )
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    tl.store(
-        o_ptr + n_m.to(tl.int64)[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
-        out.to(o_ptr.dtype.element_ty),
-        mask=m_ok[:, None] & d_ok[None, :],
-    )
-    if WRITE_LSE:
-        lse = tl.where(seen, m_i * _LN2 + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + n_m.to(tl.int64) * stride_ln + heads * stride_lh, lse, mask=m_ok)
+    _store_rows(outs, n_m, heads, m_ok, state, D, D_PAD, WRITE_LSE)
 
 
 @triton.jit
 def _walk_rows(
-    q_ptr,
-    k_head,
-    v_head,
-    bt_ptr,
-    ctx_ptr,
-    o_ptr,
-    lse_ptr,
-    h,
-    row0,
-    n_rows,
-    num_pages,
-    width,
-    qk_scale,
-    stride_qn,
-    stride_qh,
-    stride_qd,
-    stride_kp,
-    stride_kr,
-    stride_vp,
-    stride_vr,
-    stride_bh,
-    stride_bn,
-    stride_bw,
-    stride_ch,
-    stride_cn,
-    stride_on,
-    stride_oh,
-    stride_ln,
-    stride_lh,
-    group,
+    query,
+    cache,
+    table,
+    outs,
+    tile,  # as in _walk_union
     T: tl.constexpr,
     GP16: tl.constexpr,
     D: tl.constexpr,
@@ -405,6 +262,10 @@ def _walk_rows(
     INTERPRETED: tl.constexpr,
 ):
     """Each row of the tile walks its own page list (the per-row algorithm), one after the other."""
+    q_ptr, stride_qn, stride_qh, stride_qd, qk_scale = query
+    bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width = table
+    h, row0, n_rows, group, _, _ = tile
+    no_scales = (cache[0], cache[1], 0, 0, 0, 0)  # never read: the step runs with FP8 off
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     offs_g = tl.arange(0, GP16)
@@ -420,72 +281,11 @@ def _walk_rows(
             )
             ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn).to(tl.int32)
             ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE)
-            bt_row = bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn
-            m_r = tl.full([GP16], float("-inf"), dtype=tl.float32)
-            l_r = tl.zeros([GP16], dtype=tl.float32)
-            acc_r = tl.zeros([GP16, D_PAD], dtype=tl.float32)
-            if INTERPRETED:
-                start = 0
-                while start < ctx:
-                    m_r, l_r, acc_r = _row_step(
-                        q,
-                        k_head,
-                        v_head,
-                        bt_row,
-                        start,
-                        ctx,
-                        num_pages,
-                        qk_scale,
-                        m_r,
-                        l_r,
-                        acc_r,
-                        stride_kp,
-                        stride_kr,
-                        stride_vp,
-                        stride_vr,
-                        stride_bw,
-                        D,
-                        D_PAD,
-                        ROW_BLOCK_N,
-                        PAGE,
-                        DOT_PRECISION,
-                    )
-                    start += ROW_BLOCK_N
-            else:
-                for start in range(0, ctx, ROW_BLOCK_N):
-                    m_r, l_r, acc_r = _row_step(
-                        q,
-                        k_head,
-                        v_head,
-                        bt_row,
-                        start,
-                        ctx,
-                        num_pages,
-                        qk_scale,
-                        m_r,
-                        l_r,
-                        acc_r,
-                        stride_kp,
-                        stride_kr,
-                        stride_vp,
-                        stride_vr,
-                        stride_bw,
-                        D,
-                        D_PAD,
-                        ROW_BLOCK_N,
-                        PAGE,
-                        DOT_PRECISION,
-                    )
-            seen = l_r > 0
-            out = acc_r / tl.where(seen, l_r, 1.0)[:, None]
-            tl.store(
-                o_ptr + n.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
-                out.to(o_ptr.dtype.element_ty),
-                mask=g_ok[:, None] & d_ok[None, :],
+            bt_row = (bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn, stride_bw)
+            state = _attend_row(
+                q, cache, no_scales, bt_row, 0, ctx, qk_scale, D, ROW_BLOCK_N, PAGE, DOT_PRECISION, False, INTERPRETED
             )
-            if WRITE_LSE:
-                lse = tl.where(seen, m_r * _LN2 + tl.log(tl.where(seen, l_r, 1.0)), float("-inf"))
-                tl.store(lse_ptr + n.to(tl.int64) * stride_ln + heads * stride_lh, lse, mask=g_ok)
+            _store_rows(outs, n, heads, g_ok, state, D, D_PAD, WRITE_LSE)
 
 
 @triton.jit
@@ -556,93 +356,19 @@ def _tiled_fwd(
     else:
         walk_union = count.to(tl.float32) <= row_mode_factor * row_pages.to(tl.float32)
 
+    query = (q_ptr, stride_qn, stride_qh, stride_qd, qk_scale)
+    cache = (k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr)
+    table = (bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width)
+    outs = (o_ptr, stride_on, stride_oh, lse_ptr, stride_ln, stride_lh)
+    union_row = union_ptr + h.to(tl.int64) * stride_uh + tile.to(tl.int64) * stride_ut
+    rows = (h, row0, n_rows, group, union_row, count)
     if walk_union:
-        union_row = union_ptr + h.to(tl.int64) * stride_uh + tile.to(tl.int64) * stride_ut
         _walk_union(
-            q_ptr,
-            k_head,
-            v_head,
-            bt_ptr,
-            ctx_ptr,
-            o_ptr,
-            lse_ptr,
-            h,
-            row0,
-            n_rows,
-            num_pages,
-            width,
-            qk_scale,
-            stride_qn,
-            stride_qh,
-            stride_qd,
-            stride_kp,
-            stride_kr,
-            stride_vp,
-            stride_vr,
-            stride_bh,
-            stride_bn,
-            stride_bw,
-            stride_ch,
-            stride_cn,
-            stride_on,
-            stride_oh,
-            stride_ln,
-            stride_lh,
-            group,
-            union_row,
-            count,
-            T,
-            GP,
-            W_PAD,
-            D,
-            D_PAD,
-            PAGES,
-            PAGE,
-            WRITE_LSE,
-            DOT_PRECISION,
-            INTERPRETED,
+            query, cache, table, outs, rows, T, GP, W_PAD, D, D_PAD, PAGES, PAGE, WRITE_LSE, DOT_PRECISION, INTERPRETED
         )
     else:
         _walk_rows(
-            q_ptr,
-            k_head,
-            v_head,
-            bt_ptr,
-            ctx_ptr,
-            o_ptr,
-            lse_ptr,
-            h,
-            row0,
-            n_rows,
-            num_pages,
-            width,
-            qk_scale,
-            stride_qn,
-            stride_qh,
-            stride_qd,
-            stride_kp,
-            stride_kr,
-            stride_vp,
-            stride_vr,
-            stride_bh,
-            stride_bn,
-            stride_bw,
-            stride_ch,
-            stride_cn,
-            stride_on,
-            stride_oh,
-            stride_ln,
-            stride_lh,
-            group,
-            T,
-            GP16,
-            D,
-            D_PAD,
-            ROW_BLOCK_N,
-            PAGE,
-            WRITE_LSE,
-            DOT_PRECISION,
-            INTERPRETED,
+            query, cache, table, outs, rows, T, GP16, D, D_PAD, ROW_BLOCK_N, PAGE, WRITE_LSE, DOT_PRECISION, INTERPRETED
         )
 
 
