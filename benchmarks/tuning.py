@@ -23,7 +23,12 @@ from .fp8 import GridProblem, _free, _time
 
 STAGES_TRIED = (2, 3, 4, 5, 6)
 DEFAULT_STAGES = 5
-ORIENTATIONS = {"lanes_x_tokens": False, "tokens_x_lanes": True}
+ORIENTATIONS = {
+    "lanes_x_tokens": (False, False),
+    "tokens_x_lanes": (True, False),
+    "tokens_x_lanes_paired": (True, True),
+}
+"""Orientation -> (``tok_m``, ``pair_parts``); paired: an FP8 query's hi and lo parts in one dot."""
 
 
 def run_indexer_tuning(ctx: Context) -> None:
@@ -37,7 +42,7 @@ def run_indexer_tuning(ctx: Context) -> None:
         p = GridProblem(ctx, batch, context, 1, dtype)
         outs = [torch.empty(s.hkv, batch, p.m, device=ctx.device) for _ in p.sets]
 
-        def fns(num_stages, tok_m, p=p, outs=outs):
+        def fns(num_stages, tok_m, pair, p=p, outs=outs):
             return [
                 lambda st=st, out=out: index_scores_kernel(
                     st["index_q"],
@@ -58,12 +63,15 @@ def run_indexer_tuning(ctx: Context) -> None:
                 for st, out in zip(p.sets, outs, strict=True)
             ]
 
-        default_tok_m = dtype == "fp8"  # the kernel's own choice (tokens x lanes for FP8 keys)
-        base = _time(ctx, fns(DEFAULT_STAGES, default_tok_m))  # (a graph on the GPU, eager on the CPU)
-        for orientation, tok_m in ORIENTATIONS.items():
+        fp8 = dtype == "fp8"
+        default = (fp8, fp8)  # the kernel's own choice: tokens x lanes, paired, for FP8 keys
+        base = _time(ctx, fns(DEFAULT_STAGES, *default))  # (a graph on the GPU, eager on the CPU)
+        for orientation, knobs in ORIENTATIONS.items():
+            if knobs[1] and not fp8:
+                continue  # (pairing splits an FP8 query; bf16 has one part)
             for num_stages in stages:
-                is_default = num_stages == DEFAULT_STAGES and tok_m == default_tok_m
-                t = base if is_default else _time(ctx, fns(num_stages, tok_m))
+                is_default = num_stages == DEFAULT_STAGES and knobs == default
+                t = base if is_default else _time(ctx, fns(num_stages, *knobs))
                 shape = {
                     "batch": batch,
                     "context": context,

@@ -193,3 +193,26 @@ def test_scoring_errors():
         mm3lab.index_topk_decode(q, torch.zeros(2, 128, 16), bt, seq, 2, index_scale=scale)
     with pytest.raises(ValueError, match="index_scale"):
         R.index_scores_decode(q, cache, bt, seq, index_scale=scale[:, :64])
+
+
+@pytest.mark.parametrize("heads, dql", [(1, 1), (4, 1), (4, 2), (8, 1)])
+def test_fp8_query_parts_in_one_dot_or_two(device, heads, dql):
+    """The FP8 query's hi and lo parts side by side in one dot (8 lanes or fewer: the decode default)
+    score as the two dots do; forced here both ways for each shape (a tile of 8 heads then holds
+    one row, so speculative rows take several tiles)."""
+    from mm3lab.indexer.kernel import index_scores_kernel
+
+    g = torch.Generator().manual_seed(heads * 10 + dql)
+    cache, scale = _cache(7, 64, device, seed=heads)
+    b, m = 2, 3
+    q = (torch.randn(b * dql, heads, 64, generator=g) * 3).to(device)
+    bt = torch.randperm(7, generator=g)[: b * m].view(b, m).to(torch.int32).to(device)
+    seq = torch.tensor([300, 200], dtype=torch.int32, device=device)
+    got = []
+    for pair in (False, True):
+        out = torch.full((heads, b * dql, m), float("nan"), device=device)
+        index_scores_kernel(q, cache, bt, seq, seq, dql, False, 0, 1, False, out, index_scale=scale, pair_parts=pair)
+        got.append(out.cpu())
+    finite = got[0][torch.isfinite(got[0])]
+    assert finite.numel() > 0
+    torch.testing.assert_close(got[1], got[0], rtol=0, atol=1e-5 * float(finite.abs().max()))

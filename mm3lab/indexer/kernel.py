@@ -25,7 +25,9 @@ significant bits), multiplies both with the FP8 key tile through ``tl.dot``
 (FP8 tensor cores on Hopper), and scales each dot by ``s`` and the token's
 scale before the block max. The FP8 dots run as tokens x lanes (``keys @ q^T``):
 128 token rows let Hopper's warp-group MMA take the FP8 operands as they are, where
-16 lane rows would upcast both to fp16 first. The second dot costs no memory traffic, which is
+16 lane rows would upcast both to fp16 first. A tile of 8 lanes or fewer (decode with
+up to 8 index heads) puts each lane's hi and lo parts side by side in one 16-column
+operand, so one dot serves both. The second dot costs no memory traffic, which is
 what the decode scorer is bound by.
 
 **Top-k** (:func:`topk_kernel`). A program owns a few (head, row) pairs (one for the
@@ -139,6 +141,7 @@ def _shared_block_dots(
     IEEE: tl.constexpr,
     FP8: tl.constexpr,
     TOK_M: tl.constexpr,
+    PAIR: tl.constexpr,
 ):
     """Dots of every lane with physical block ``phys``'s keys (a block inside the cache), and which
     of them the lanes see (``lanes_ok`` and causal); tokens past ``tile_last`` (the last token any
@@ -155,7 +158,12 @@ def _shared_block_dots(
             other=0.0,
         )
         if FP8:
-            dots = tl.dot(keys, q) + tl.dot(keys, q_lo) * 0.0625
+            if PAIR:  # one dot for both parts (q holds hi and lo side by side), split after
+                both = tl.dot(keys, q)
+                hi, lo = tl.split(tl.permute(tl.reshape(both, (tok.shape[0], 2, q_scale.shape[0])), (0, 2, 1)))
+                dots = hi + lo * 0.0625
+            else:
+                dots = tl.dot(keys, q) + tl.dot(keys, q_lo) * 0.0625
             k_scale = tl.load(scale_ptr + phys * stride_sb + tok, mask=tok_read, other=0.0)
             dots = dots * k_scale[:, None] * q_scale[None, :]
         elif IEEE:
@@ -223,6 +231,7 @@ def _index_scores(
     NUM_STAGES: tl.constexpr,
     EVEN_D: tl.constexpr,
     TOK_M: tl.constexpr,
+    PAIR: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     t = tl.program_id(0)
@@ -260,6 +269,8 @@ def _index_scores(
     if TOK_M:
         q = tl.trans(q)
         q_lo = tl.trans(q_lo)
+        if PAIR:  # one operand of 2 * BLOCK_M columns: the lanes' hi parts, then their lo parts
+            q = tl.reshape(tl.permute(tl.join(q, q_lo), (0, 2, 1)), (BLOCK_D, 2 * BLOCK_M))
 
     first = chunk * blocks_per_program
     last = tl.minimum(first + blocks_per_program, M)
@@ -273,7 +284,7 @@ def _index_scores(
             _score_block(
                 b, q, q_lo, q_scale, p, valid, req, tile_req, tile_p, lane_ok, out_row, cache_ptr, stride_cb, stride_ct,
                 scale_ptr, stride_sb, bt_ptr, stride_bb, stride_bm, num_blocks, init_blocks, local_blocks, tok, dims,
-                dim_ok, PREFILL, FORCE, IEEE, FP8, SPARSE_BLOCK, TOK_M,
+                dim_ok, PREFILL, FORCE, IEEE, FP8, SPARSE_BLOCK, TOK_M, PAIR,
             )  # fmt: skip
             b += 1
     else:  # compiled decode: one key tile per block, loads pipelined NUM_STAGES deep
@@ -281,7 +292,7 @@ def _index_scores(
             _score_block(
                 b, q, q_lo, q_scale, p, valid, req, tile_req, tile_p, lane_ok, out_row, cache_ptr, stride_cb, stride_ct,
                 scale_ptr, stride_sb, bt_ptr, stride_bb, stride_bm, num_blocks, init_blocks, local_blocks, tok, dims,
-                dim_ok, PREFILL, FORCE, IEEE, FP8, SPARSE_BLOCK, TOK_M,
+                dim_ok, PREFILL, FORCE, IEEE, FP8, SPARSE_BLOCK, TOK_M, PAIR,
             )  # fmt: skip
     minus_inf = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b = tl.maximum(first, scored_until)
@@ -323,6 +334,7 @@ def _score_block(
     FP8: tl.constexpr,
     SPARSE_BLOCK: tl.constexpr,
     TOK_M: tl.constexpr,
+    PAIR: tl.constexpr,
 ):
     """Score logical block ``b`` for every lane (the block max of its visible dots, SPEC 2) and store it."""
     cand = b < valid
@@ -345,7 +357,7 @@ def _score_block(
             tile_last = tl.reduce(tl.where(mine, last_tok, -1), 0, _max)
             dots_c, sel = _shared_block_dots(
                 q, q_lo, q_scale, cache_ptr, scale_ptr, stride_sb, cur, stride_cb, stride_ct,
-                mine, last_tok, tile_last, tok, dims, dim_ok, IEEE, FP8, TOK_M,
+                mine, last_tok, tile_last, tok, dims, dim_ok, IEEE, FP8, TOK_M, PAIR,
             )  # fmt: skip
             dots = tl.where(sel, dots_c, dots)
             seen = seen | sel
@@ -360,7 +372,7 @@ def _score_block(
         phys = tl.where((phys >= 0) & (phys < num_blocks), phys, 0)
         dots, seen = _shared_block_dots(
             q, q_lo, q_scale, cache_ptr, scale_ptr, stride_sb, phys, stride_cb, stride_ct,
-            readable, last_tok, tile_p - b * SPARSE_BLOCK, tok, dims, dim_ok, IEEE, FP8, TOK_M,
+            readable, last_tok, tile_p - b * SPARSE_BLOCK, tok, dims, dim_ok, IEEE, FP8, TOK_M, PAIR,
         )  # fmt: skip
     best = tl.reduce(tl.where(seen, dots, float("-inf")), 0 if TOK_M else 1, _max)
     has_nan = tl.reduce(tl.where(seen & (dots != dots), 1, 0), 0 if TOK_M else 1, _max) > 0
@@ -399,6 +411,7 @@ def index_scores_kernel(
     num_stages: int = 5,
     num_warps: int = 4,
     tok_m: bool | None = None,
+    pair_parts: bool | None = None,
 ) -> None:
     """Launch the scoring kernel into ``out [H, N, M]`` float32 (arguments already validated).
 
@@ -406,7 +419,9 @@ def index_scores_kernel(
     host-side heuristic; tests use them to reach every code path with small shapes.
     ``tok_m`` computes the dots as tokens x lanes (default: for FP8 keys, whose ``tl.dot`` then
     runs on Hopper's FP8 warp-group MMA instead of upcasting to fp16) rather than lanes x tokens.
-    ``num_stages``: key tiles in flight in a compiled decode loop.
+    ``num_stages``: key tiles in flight in a compiled decode loop. ``pair_parts`` forces (or
+    forbids) one dot for an FP8 query's hi and lo parts (default: tokens x lanes tiles of at
+    most 8 lanes).
 
     The defaults (5 stages; tokens x lanes for FP8 keys only) are what the ``indexer_tuning``
     benchmark suite compares against every other setting at batch 64, 128K on the GPU. The
@@ -419,10 +434,19 @@ def index_scores_kernel(
         return
     block_h = triton.next_power_of_2(h)
     group = n if prefill else dql
+    fp8 = index_scale is not None
+    tok_m = fp8 if tok_m is None else tok_m
     if block_q is None:
         block_q = max(1, min(triton.next_power_of_2(group), 64 // block_h))
-    block_q = max(block_q, 16 // block_h)  # tl.dot needs at least 16 lanes
-    fp8 = index_scale is not None
+        # FP8 tokens x lanes, 8 lanes or fewer: the hi and lo parts share one 16-column dot
+        pair = fp8 and tok_m and block_q * block_h <= 8
+    else:
+        pair = False
+    pair = pair if pair_parts is None else pair_parts
+    if pair:
+        block_q = 8 // block_h
+    else:
+        block_q = max(block_q, 16 // block_h)  # tl.dot needs at least 16 lanes
     if index_q.dtype == torch.float32 and not fp8:
         # float32 scores use the exact (FMA, not TF32) dot; on the H200 it compiled at 16 lanes but
         # not at 32, so float32 tiles stay at 16 lanes (float32 is the reference dtype, not the fast one).
@@ -484,7 +508,8 @@ def index_scores_kernel(
         SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
         NUM_STAGES=num_stages,
         EVEN_D=block_d == di,
-        TOK_M=fp8 if tok_m is None else tok_m,
+        TOK_M=tok_m,
+        PAIR=pair,
         num_warps=num_warps,
     )
 
