@@ -59,6 +59,7 @@ def run_indexer_tuning(ctx: Context) -> None:
                     index_scale=p.index_scale,
                     num_stages=num_stages,
                     tok_m=tok_m,
+                    pair_parts=pair,
                 )
                 for st, out in zip(p.sets, outs, strict=True)
             ]

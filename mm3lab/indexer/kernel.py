@@ -266,11 +266,16 @@ def _index_scores(
         q = round_to_e4m3(qn, INTERPRETED)
         q_lo = round_to_e4m3((qn - q.to(tl.float32)) * 16.0, INTERPRETED)
     out_row = out_ptr + (head * N + n) * M  # [BLOCK_M] pointers to each lane's score row
-    if TOK_M:
+    if PAIR:  # one operand of 2 * BLOCK_M columns: the lanes' hi parts, then their lo parts
+        # (arranged in float32 and converted back, which is exact: the same arrangement of the FP8
+        # values themselves gave wrong scores on the H200 with Triton 3.6)
+        both = tl.join(q.to(tl.float32), q_lo.to(tl.float32))  # [BLOCK_M, BLOCK_D, 2]
+        both = tl.reshape(tl.permute(both, (2, 0, 1)), (2 * BLOCK_M, BLOCK_D))
+        q = tl.trans(both).to(q.dtype)
+        q_lo = q
+    elif TOK_M:
         q = tl.trans(q)
         q_lo = tl.trans(q_lo)
-        if PAIR:  # one operand of 2 * BLOCK_M columns: the lanes' hi parts, then their lo parts
-            q = tl.reshape(tl.permute(tl.join(q, q_lo), (0, 2, 1)), (BLOCK_D, 2 * BLOCK_M))
 
     first = chunk * blocks_per_program
     last = tl.minimum(first + blocks_per_program, M)
@@ -442,7 +447,7 @@ def index_scores_kernel(
         pair = fp8 and tok_m and block_q * block_h <= 8
     else:
         pair = False
-    pair = pair if pair_parts is None else pair_parts
+    pair = (pair if pair_parts is None else pair_parts) and tok_m  # the pair is a tokens x lanes operand
     if pair:
         block_q = 8 // block_h
     else:
