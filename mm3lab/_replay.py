@@ -120,28 +120,45 @@ class Recording:
 
     def replay(self, inputs: dict, device: torch.device) -> None:
         """The recorded launches with ``inputs`` in place (the caller checked :meth:`matches`)."""
-        from triton import knobs
-        from triton.runtime.driver import driver
-
         self.replays += 1
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = driver.active.get_current_stream(index)
+        stream = current_stream(device)
         for launch in self.launches:
             values = launch.values
             for pos, name in launch.subs:
                 values[pos] = inputs[name]
-            kernel, (g0, g1, g2) = launch.kernel, launch.grid
-            meta = None if _idle(enter) else kernel.launch_metadata(launch.grid, stream, *values)
-            kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *values)
+            launch_compiled(launch.kernel, launch.grid, values, stream)
+
+
+def current_stream(device: torch.device):
+    """The handle of ``device``'s current stream, as Triton's launcher takes it."""
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_compiled(kernel, grid: tuple[int, int, int], values, stream) -> None:
+    """Launch the compiled ``kernel`` with its bound arguments ``values`` (constexprs included, in
+    parameter order) through its launcher: the last step of Triton's own launch, without the
+    argument binding and lookup before it. The caller knows ``kernel`` is the one Triton would pick."""
+    from triton import knobs
+
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    meta = None if _idle(enter) else kernel.launch_metadata(grid, stream, *values)
+    kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *values)
+
+
+def hooks_idle() -> bool:
+    """No Triton launch hook is set (a profiler's hooks want Triton's own launch path)."""
+    from triton import knobs
+
+    return _idle(knobs.runtime.launch_enter_hook) and _idle(knobs.runtime.launch_exit_hook)
 
 
 def record(launch, inputs: dict, caches) -> Recording | None:
     """Run ``launch()`` (the normal launches) while recording them; ``None`` if this run cannot be replayed."""
-    from triton import knobs
     from triton.runtime.jit import JITFunction
 
-    if not (_idle(knobs.runtime.launch_enter_hook) and _idle(knobs.runtime.launch_exit_hook)):
+    if not hooks_idle():
         launch()  # a profiler's hooks want Triton's own launch path
         return None
     rec = Recording(inputs, caches)
@@ -187,4 +204,13 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
-__all__ = ["ENABLED", "VERIFIED_TRITON", "Recording", "record", "supported"]
+__all__ = [
+    "ENABLED",
+    "VERIFIED_TRITON",
+    "Recording",
+    "current_stream",
+    "hooks_idle",
+    "launch_compiled",
+    "record",
+    "supported",
+]

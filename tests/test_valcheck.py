@@ -67,21 +67,51 @@ def test_kernel_flags_on_device(device):
     for seed in range(6):
         segments = _segments(seed, 0.2)
         want = _valcheck.flags(*segments)
-        moved = [
-            Segment(
-                s.kind,
-                s.t.to(device),
-                s.lo,
-                s.hi,
-                None if s.aux is None else s.aux.to(device),
-                None if s.pos is None else s.pos.to(device),
-                s.unit,
-                s.modulus,
-                s.mod_limit,
-            )
-            for s in segments
-        ]
-        assert _valcheck.flags(*moved) == want
+        assert _valcheck.flags(*_moved(segments, device)) == want
+
+
+def _moved(segments, device):
+    return [
+        Segment(
+            s.kind,
+            s.t.to(device),
+            s.lo,
+            s.hi,
+            None if s.aux is None else s.aux.to(device),
+            None if s.pos is None else s.pos.to(device),
+            s.unit,
+            s.modulus,
+            s.mod_limit,
+        )
+        for s in segments
+    ]
+
+
+def test_flags_buffer_is_zero_again_after_a_flagged_call(device):
+    """The flags buffer is kept from call to call: a flagged call must not leave a flag for the next one."""
+    bad = [Segment("all", torch.tensor([0, 7, 3], dtype=torch.int32, device=device), lo=0, hi=5)]
+    good = [Segment("all", torch.tensor([0, 5, 3], dtype=torch.int32, device=device), lo=0, hi=5)]
+    with _valcheck.kernel_on_cpu():
+        for _ in range(2):
+            assert _valcheck.flags(*bad) == [1, 0]
+            assert _valcheck.flags(*good) == [0, 0]
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_direct_launch_gives_the_launch_path_flags(device, fast, monkeypatch):
+    """On a GPU the check kernel, once compiled for a combination of constexprs and dtypes, is launched
+    through its launcher directly; its flags equal Triton's own launch's and the PyTorch evaluation's."""
+    monkeypatch.setattr(_valcheck, "FAST_LAUNCH", fast)
+    for seed in range(8):
+        for bad in (0.0, 1.0):
+            segments = _segments(seed, bad)
+            moved = _moved(segments, device)
+            for part in (slice(None), slice(2)):  # a second combination of segment kinds
+                want = _valcheck.flags(*segments[part])
+                with _valcheck.kernel_on_cpu():
+                    assert _valcheck.flags(*moved[part]) == want
+    if device == "cuda":
+        assert bool(_valcheck._compiled) == (fast and _valcheck._replay.supported())
 
 
 def test_int64_extremes_and_empty_segments():
