@@ -102,6 +102,7 @@ def test_direct_launch_gives_the_launch_path_flags(device, fast, monkeypatch):
     """On a GPU the check kernel, once compiled for a combination of constexprs and dtypes, is launched
     through its launcher directly; its flags equal Triton's own launch's and the PyTorch evaluation's."""
     monkeypatch.setattr(_valcheck, "FAST_LAUNCH", fast)
+    monkeypatch.setattr(_valcheck, "_compiled", {})
     for seed in range(8):
         for bad in (0.0, 1.0):
             segments = _segments(seed, bad)
