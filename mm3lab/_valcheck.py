@@ -442,18 +442,32 @@ def _empty(seg: Segment) -> bool:
 _buffers = threading.local()
 
 
-def _flags_buffer(device: torch.device) -> torch.Tensor:
-    """This thread's zeroed flags buffer on ``device``, kept from call to call: every read syncs and
-    a flagged read zeroes it again, so it is all zeros whenever a call starts (a capture gets a new one)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(2 * MAX_SEGMENTS, dtype=torch.int32, device=device)
+def _flags_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This thread's zeroed flags buffer on ``device`` and, on a GPU, a pinned host buffer to read it
+    into, both kept from call to call: every read syncs and a flagged read zeroes the flags again,
+    so they are all zeros whenever a call starts (a capture gets new ones)."""
+    cuda = device.type == "cuda"
+    if cuda and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2 * MAX_SEGMENTS, dtype=torch.int32, device=device), None
     per_device = getattr(_buffers, "per_device", None)
     if per_device is None:
         per_device = _buffers.per_device = {}
-    buf = per_device.get(device)
-    if buf is None:
-        buf = per_device[device] = torch.zeros(2 * MAX_SEGMENTS, dtype=torch.int32, device=device)
-    return buf
+    bufs = per_device.get(device)
+    if bufs is None:
+        flags_buf = torch.zeros(2 * MAX_SEGMENTS, dtype=torch.int32, device=device)
+        host = torch.zeros(2 * MAX_SEGMENTS, dtype=torch.int32, pin_memory=True) if cuda else None
+        bufs = per_device[device] = (flags_buf, host)
+    return bufs
+
+
+def _read(flags_buf: torch.Tensor, host: torch.Tensor | None) -> list[int]:
+    """The flags on the host: a GPU copies them into pinned memory and waits for its stream (no
+    allocation, no pageable staging copy), the CPU reads them as they are."""
+    if host is None:
+        return flags_buf.tolist()
+    host.copy_(flags_buf, non_blocking=True)
+    torch.cuda.current_stream(flags_buf.device).synchronize()
+    return host.tolist()
 
 
 def flags(*segments: Segment) -> list[int]:
@@ -470,9 +484,9 @@ def flags(*segments: Segment) -> list[int]:
     _stats["launches"] += 1
     _stats["host_reads"] += 1
     if _use_kernel(segments[0].t):
-        buf = _flags_buffer(device)
+        buf, host = _flags_buffers(device)
         _run_kernel(segments, buf)
-        values = buf.tolist()
+        values = _read(buf, host)
         if any(values):  # (rare: a call about to raise) zeroed again for the next call
             buf.zero_()
             if device.type == "cuda":
