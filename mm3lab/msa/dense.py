@@ -60,9 +60,7 @@ def dense_decode(
     req, pos = decode_query_rows(seq_lens, decode_query_len)
     check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache", seq_lens)
     with validation(False):  # values checked above in one read (check_table_entries): not again
-        slots = _prepare_inserts(
-            q, key, value, None, k_cache, v_cache, None, block_table, req, pos, scale=scale, table_checked=True
-        )
+        slots = _prepare_inserts(q, key, value, None, k_cache, v_cache, None, block_table, req, pos, scale=scale)
         write_kv_page16(key, value, k_cache, v_cache, slots)
         topk_idx = _all_blocks(k_cache.shape[2], q.shape[0], block_table)
         sparse_bt, sparse_ctx = build_sparse_block_table_decode(
@@ -96,9 +94,7 @@ def dense_prefill(
     req, pos = query_req_id, query_abs_pos
     check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache")
     with validation(False):  # values checked in one read (check_table_entries): not again
-        slots = _prepare_inserts(
-            q, key, value, None, k_cache, v_cache, None, block_table, req, pos, scale=scale, table_checked=True
-        )
+        slots = _prepare_inserts(q, key, value, None, k_cache, v_cache, None, block_table, req, pos, scale=scale)
         write_kv_page16(key, value, k_cache, v_cache, slots)
         topk_idx = _all_blocks(k_cache.shape[2], q.shape[0], block_table)
         sparse_bt, sparse_ctx = build_sparse_block_table_prefill(topk_idx, block_table, req, pos, block_page_stride)

@@ -42,7 +42,7 @@ from ..indexer import (
     index_topk_block_table_decode,
     index_topk_block_table_prefill,
 )
-from ..indexer.checks import MAX_TOPK, check_table_entries
+from ..indexer.checks import MAX_TOPK
 from ..indexer.checks import check_decode as check_indexer_decode
 from ..indexer.checks import check_prefill as check_indexer_prefill
 from ..layout import check_kv_views, num_cache_blocks, write_kv_page16
@@ -117,7 +117,6 @@ def _prepare_inserts(
     pos,
     *,
     scale=None,
-    table_checked=False,
     slots=None,
     index_scale=None,
     k_scale=None,
@@ -126,8 +125,9 @@ def _prepare_inserts(
     """Slots of the new tokens, after checking every argument of the step (SPEC section 7).
 
     Nothing is written until all checks pass: the new tokens' K/V (and index keys), the
-    ``scale``, the block table's entries against the KV cache, and the slots.
-    ``slots`` given: computed by :func:`rows_and_slots` from rows already checked against the table.
+    ``scale`` and the slots. The block table's entries are the caller's to check first, with the
+    rows in one read (the indexer's checks, or :func:`mm3lab.indexer.checks.check_table_entries`).
+    ``slots`` given: computed by :func:`rows_and_slots` from those rows.
     """
     n = pos.shape[0]
     _, _, hkv, d = k_cache.shape
@@ -147,8 +147,6 @@ def _prepare_inserts(
     }
     if scales:
         check_no_alias(**scales, inputs=inputs)
-    if not table_checked:
-        check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache")
     if slots is None:
         slots = token_slots(block_table, req, pos)
     check_write_kv(key, value, k_cache, v_cache, slots, k_scale, v_scale)
@@ -246,7 +244,6 @@ def run_layer(steps, arguments: dict):
             req,
             pos,
             scale=args.scale,
-            table_checked=True,
             slots=slots,
             index_scale=index_scale,
             **kv_scales,
