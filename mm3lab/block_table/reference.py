@@ -202,9 +202,7 @@ def _fill(topk_idx, block_table, rows, block_page_stride, out):
     result_ctx = torch.tensor(sparse_ctx, dtype=torch.int32).reshape(h, n).to(device)
     if out is None:
         return result_bt, result_ctx
-    out[0].copy_(result_bt)
-    out[1].copy_(result_ctx)
-    return out[0], out[1]
+    return out[0].copy_(result_bt), out[1].copy_(result_ctx)
 
 
 def build_sparse_block_table_decode(

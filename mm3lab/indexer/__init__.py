@@ -29,6 +29,7 @@ the block max; the reference dequantizes the keys. Scores agree within
 
 from __future__ import annotations
 
+import types
 from typing import NamedTuple
 
 import torch
@@ -63,12 +64,6 @@ class _Rows(NamedTuple):
     dql: int  # decode_query_len; 1 for prefill rows
     prefill: bool
 
-    def by_name(self) -> dict:
-        """The same rows as the entry points' keyword arguments."""
-        if self.prefill:
-            return {"query_req_id": self.req, "query_abs_pos": self.pos}
-        return {"seq_lens": self.req, "decode_query_len": self.dql}
-
 
 class _Call(NamedTuple):
     """One call of an indexer entry point, decode or prefill alike; :meth:`run` checks and runs it."""
@@ -82,28 +77,25 @@ class _Call(NamedTuple):
     index_scale: torch.Tensor | None
 
     @classmethod
-    def decode(
-        cls, index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, index_scale
-    ):
-        rows = _Rows(seq_lens, seq_lens, decode_query_len, False)
-        return cls(index_q, index_cache, block_table, rows, init_blocks, local_blocks, index_scale)
+    def of(cls, arguments: dict) -> _Call:
+        """The call of an entry point from its arguments by name: decode rows if ``seq_lens`` is among them."""
+        a = types.SimpleNamespace(**arguments)
+        if "seq_lens" in arguments:
+            rows = _Rows(a.seq_lens, a.seq_lens, a.decode_query_len, False)
+        else:
+            rows = _Rows(a.query_req_id, a.query_abs_pos, 1, True)
+        return cls(a.index_q, a.index_cache, a.block_table, rows, a.init_blocks, a.local_blocks, a.index_scale)
 
-    @classmethod
-    def prefill(
-        cls, index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, index_scale
-    ):
-        rows = _Rows(query_req_id, query_abs_pos, 1, True)
-        return cls(index_q, index_cache, block_table, rows, init_blocks, local_blocks, index_scale)
-
-    def run(self, entry: str, **options):
+    def run(self, entry: str, arguments: dict):
         """Check the call, then run ``entry``: the scores kernel (then the top-k kernel), or the
         reference where SPEC 7 says so.
 
-        ``options``: the entry point's own arguments by name: ``forced`` (scores), ``topk``, and
-        ``block_page_stride`` (top-k fused with the sparse block table).
+        ``arguments``: every argument of the entry point by name; besides the rows and the tensors,
+        its own ones: ``forced`` (scores), ``topk``, and ``block_page_stride`` (top-k fused with
+        the sparse block table).
         """
         index_q, index_cache, block_table, rows, init_blocks, local_blocks, index_scale = self
-        topk = options.get("topk", NO_TOPK)
+        topk = arguments.get("topk", NO_TOPK)
         if rows.prefill:
             check_prefill(
                 index_q, index_cache, block_table, rows.req, rows.pos, topk, init_blocks, local_blocks, index_scale
@@ -112,15 +104,14 @@ class _Call(NamedTuple):
             check_decode(
                 index_q, index_cache, block_table, rows.req, topk, rows.dql, init_blocks, local_blocks, index_scale
             )
-        block_page_stride = options.get("block_page_stride")
+        block_page_stride = arguments.get("block_page_stride")
         if block_page_stride is not None:
             check_block_page_stride(block_page_stride)
         if not _use_kernel(entry, index_q, index_cache, block_table, rows.req, rows.pos):
-            named = dict(rows.by_name(), init_blocks=init_blocks, local_blocks=local_blocks, index_scale=index_scale)
-            return getattr(reference, entry)(index_q, index_cache, block_table, **named, **options)
+            return getattr(reference, entry)(**arguments)  # the twin has the same signature
         if block_page_stride is not None and topk > MAX_KERNEL_TOPK:
             backend.fallback_taken(entry, "topk-over-512")
-        scores = self.scores(forced=bool(options.get("forced", True)))
+        scores = self.scores(forced=bool(arguments.get("forced", True)))
         if topk is NO_TOPK:
             return scores
         table = () if block_page_stride is None else (block_table, block_page_stride)
@@ -169,6 +160,11 @@ def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_p
     return topk_idx, tables["sparse_bt"], tables["sparse_ctx"]
 
 
+def _run(entry: str, arguments: dict):
+    """Check and run the entry point ``entry``; ``arguments``: all of its arguments by name (its ``locals()``)."""
+    return _Call.of(arguments).run(entry, arguments)
+
+
 def index_scores_decode(
     index_q: torch.Tensor,
     index_cache: torch.Tensor,
@@ -202,10 +198,7 @@ def index_scores_decode(
     Raises:
         TypeError / ValueError: see :func:`index_topk_decode`.
     """
-    call = _Call.decode(
-        index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, index_scale
-    )
-    return call.run("index_scores_decode", forced=forced)
+    return _run("index_scores_decode", locals())  # every argument, by name
 
 
 def index_scores_prefill(
@@ -227,10 +220,7 @@ def index_scores_prefill(
     Returns:
         ``[H, N, M]`` float32, ``-inf`` at non-candidates.
     """
-    call = _Call.prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, index_scale
-    )
-    return call.run("index_scores_prefill", forced=forced)
+    return _run("index_scores_prefill", locals())  # every argument, by name
 
 
 def index_topk_decode(
@@ -268,10 +258,7 @@ def index_topk_decode(
             (names ``seq_lens`` and the request) or a used block table entry outside the
             cache (names ``block_table``, the request and the block).
     """
-    call = _Call.decode(
-        index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, index_scale
-    )
-    return call.run("index_topk_decode", topk=topk)
+    return _run("index_topk_decode", locals())  # every argument, by name
 
 
 def index_topk_prefill(
@@ -293,10 +280,7 @@ def index_topk_prefill(
     ``[0, B)`` on a row that is not padded (names ``query_req_id`` and the row) or a
     position ``>= M * 128`` (names ``query_abs_pos``).
     """
-    call = _Call.prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, index_scale
-    )
-    return call.run("index_topk_prefill", topk=topk)
+    return _run("index_topk_prefill", locals())  # every argument, by name
 
 
 def index_topk_block_table_decode(
@@ -323,10 +307,7 @@ def index_topk_block_table_decode(
     Returns:
         ``(topk_idx [H, N, topk], sparse_bt [H, N, topk * 8], sparse_ctx [H, N])``, int32, contiguous.
     """
-    call = _Call.decode(
-        index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, index_scale
-    )
-    return call.run("index_topk_block_table_decode", topk=topk, block_page_stride=block_page_stride)
+    return _run("index_topk_block_table_decode", locals())  # every argument, by name
 
 
 def index_topk_block_table_prefill(
@@ -344,10 +325,7 @@ def index_topk_block_table_prefill(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`index_topk_prefill` fused with :func:`mm3lab.build_sparse_block_table_prefill`
     (see :func:`index_topk_block_table_decode`)."""
-    call = _Call.prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, index_scale
-    )
-    return call.run("index_topk_block_table_prefill", topk=topk, block_page_stride=block_page_stride)
+    return _run("index_topk_block_table_prefill", locals())  # every argument, by name
 
 
 def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:

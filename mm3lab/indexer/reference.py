@@ -43,7 +43,7 @@ from ..block_table.reference import build_sparse_block_table_decode, build_spars
 from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, RAW_SCORE_LIMIT, SPARSE_BLOCK_SIZE
 from ..fp8 import dequantize
 from ..rows import decode_rows
-from .checks import NO_TOPK, check_block_page_stride, check_decode, check_prefill, check_topk_scores
+from .checks import NO_TOPK, check_decode, check_prefill, check_topk_scores
 
 # --- one row, in the SPEC's words -----------------------------------------------------------
 
@@ -260,12 +260,8 @@ def index_topk_block_table_decode(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`index_topk_decode`, then :func:`mm3lab.reference.build_sparse_block_table_decode` on its result:
     ``(topk_idx, sparse_bt, sparse_ctx)`` as :func:`mm3lab.index_topk_block_table_decode` returns them."""
-    check_decode(
-        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
-    )
-    check_block_page_stride(block_page_stride)
-    rows = _decode_rows(seq_lens, decode_query_len)
-    topk_idx = _select(index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks, index_scale)
+    selection = (topk, decode_query_len, init_blocks, local_blocks)
+    topk_idx = index_topk_decode(index_q, index_cache, block_table, seq_lens, *selection, index_scale=index_scale)
     sparse_bt, sparse_ctx = build_sparse_block_table_decode(
         topk_idx, block_table, seq_lens, decode_query_len, block_page_stride
     )
@@ -286,12 +282,10 @@ def index_topk_block_table_prefill(
     index_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`index_topk_prefill`, then :func:`mm3lab.reference.build_sparse_block_table_prefill`."""
-    check_prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
+    selection = (topk, init_blocks, local_blocks)
+    topk_idx = index_topk_prefill(
+        index_q, index_cache, block_table, query_req_id, query_abs_pos, *selection, index_scale=index_scale
     )
-    check_block_page_stride(block_page_stride)
-    rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
-    topk_idx = _select(index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks, index_scale)
     sparse_bt, sparse_ctx = build_sparse_block_table_prefill(
         topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride
     )

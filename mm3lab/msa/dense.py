@@ -13,10 +13,11 @@ import torch
 from .._checks import check_index, check_int, check_same_device, validation
 from ..attention import sparse_attention
 from ..block_table import build_sparse_block_table_decode, build_sparse_block_table_prefill
+from ..index_cache import token_slots
 from ..indexer.checks import check_table_entries
 from ..layout import num_cache_blocks, write_kv_page16
 from ..rows import decode_query_rows
-from .layer import MSAStep, _check_query, _prepare_inserts
+from .layer import MSAStep, _check_inserts, _check_query
 
 __all__ = ["dense_decode", "dense_prefill"]
 
@@ -60,9 +61,8 @@ def dense_decode(
     req, pos = decode_query_rows(seq_lens, decode_query_len)
     check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache", seq_lens)
     with validation(False):  # values checked above in one read (check_table_entries): not again
-        slots = _prepare_inserts(
-            q, key, value, None, k_cache, v_cache, None, block_table, req, pos, scale=scale, table_checked=True
-        )
+        slots = token_slots(block_table, req, pos)
+        _check_inserts(q, key, value, None, k_cache, v_cache, None, block_table, slots, scale=scale)
         write_kv_page16(key, value, k_cache, v_cache, slots)
         topk_idx = _all_blocks(k_cache.shape[2], q.shape[0], block_table)
         sparse_bt, sparse_ctx = build_sparse_block_table_decode(
@@ -96,9 +96,8 @@ def dense_prefill(
     req, pos = query_req_id, query_abs_pos
     check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache")
     with validation(False):  # values checked in one read (check_table_entries): not again
-        slots = _prepare_inserts(
-            q, key, value, None, k_cache, v_cache, None, block_table, req, pos, scale=scale, table_checked=True
-        )
+        slots = token_slots(block_table, req, pos)
+        _check_inserts(q, key, value, None, k_cache, v_cache, None, block_table, slots, scale=scale)
         write_kv_page16(key, value, k_cache, v_cache, slots)
         topk_idx = _all_blocks(k_cache.shape[2], q.shape[0], block_table)
         sparse_bt, sparse_ctx = build_sparse_block_table_prefill(topk_idx, block_table, req, pos, block_page_stride)

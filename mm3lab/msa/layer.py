@@ -34,7 +34,7 @@ from .._checks import check_int, check_no_alias, check_same_device, check_scale,
 from ..attention import sparse_attention
 from ..constants import DEFAULT_TOPK
 from ..fp8 import FP8_DTYPE
-from ..index_cache import insert_index_cache, token_slots
+from ..index_cache import insert_index_cache
 from ..index_cache.checks import check_index_cache, check_insert_index_cache
 from ..indexer import (
     index_scores_decode,
@@ -42,7 +42,7 @@ from ..indexer import (
     index_topk_block_table_decode,
     index_topk_block_table_prefill,
 )
-from ..indexer.checks import MAX_TOPK, check_table_entries
+from ..indexer.checks import MAX_TOPK
 from ..indexer.checks import check_decode as check_indexer_decode
 from ..indexer.checks import check_prefill as check_indexer_prefill
 from ..layout import check_kv_views, num_cache_blocks, write_kv_page16
@@ -104,7 +104,7 @@ def _check_query(q, k_cache, v_cache, index_q=None, k_scale=None, v_scale=None) 
     return block_page_stride
 
 
-def _prepare_inserts(
+def _check_inserts(
     q,
     key,
     value,
@@ -113,23 +113,20 @@ def _prepare_inserts(
     v_cache,
     index_cache,
     block_table,
-    req,
-    pos,
+    slots,
     *,
     scale=None,
-    table_checked=False,
-    slots=None,
     index_scale=None,
     k_scale=None,
     v_scale=None,
-) -> torch.Tensor:
-    """Slots of the new tokens, after checking every argument of the step (SPEC section 7).
+) -> None:
+    """Check every argument of the step's cache inserts (SPEC section 7), before anything is written.
 
-    Nothing is written until all checks pass: the new tokens' K/V (and index keys), the
-    ``scale``, the block table's entries against the KV cache, and the slots.
-    ``slots`` given: computed by :func:`rows_and_slots` from rows already checked against the table.
+    The new tokens' K/V (and index keys), the ``scale``, and the ``slots [N]`` the caller
+    computed from rows already checked against the block table in one read (the indexer's
+    checks, or :func:`mm3lab.indexer.checks.check_table_entries`).
     """
-    n = pos.shape[0]
+    n = slots.shape[0]
     _, _, hkv, d = k_cache.shape
     if q.shape[0] != n:
         raise ValueError(f"q: expected one row per query token ({n}), got {q.shape[0]}")
@@ -147,14 +144,9 @@ def _prepare_inserts(
     }
     if scales:
         check_no_alias(**scales, inputs=inputs)
-    if not table_checked:
-        check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache")
-    if slots is None:
-        slots = token_slots(block_table, req, pos)
     check_write_kv(key, value, k_cache, v_cache, slots, k_scale, v_scale)
     if index_cache is not None:
         check_insert_index_cache(index_k, index_cache, slots, index_scale)
-    return slots
 
 
 def _check_index_step(index_k, index_cache, k_cache, v_cache, topk) -> None:
@@ -234,7 +226,7 @@ def run_layer(steps, arguments: dict):
     check(args.index_q, index_cache, block_table, *selection, index_scale)
     req, pos, slots = steps.rows_and_slots(block_table, rows)
     with validation(False):
-        slots = _prepare_inserts(
+        _check_inserts(
             q,
             args.key,
             args.value,
@@ -243,11 +235,8 @@ def run_layer(steps, arguments: dict):
             v_cache,
             index_cache,
             block_table,
-            req,
-            pos,
+            slots,
             scale=args.scale,
-            table_checked=True,
-            slots=slots,
             index_scale=index_scale,
             **kv_scales,
         )
