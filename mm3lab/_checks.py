@@ -130,11 +130,14 @@ def check_out(name: str, out: torch.Tensor | None, shape: Sequence[int], dtype: 
 
 
 def _storage_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The byte range ``[start, end)`` that ``t`` covers (``None`` when it covers nothing)."""
     if t.numel() == 0 or t.device.type == "meta":
         return None
     start = t.data_ptr()
-    last = start + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) * t.element_size()
-    return start, last + t.element_size()
+    if t.is_contiguous():
+        return start, start + t.numel() * t.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
 
 
 def check_no_alias(*, inputs: dict, **buffers) -> None:
@@ -143,15 +146,15 @@ def check_no_alias(*, inputs: dict, **buffers) -> None:
     Metadata only (address ranges, no device work); ``None`` entries are skipped. A call that
     read an input through the buffer it writes would read its own output.
     """
+    spans = [(name, t.device, _storage_span(t)) for name, t in inputs.items() if isinstance(t, torch.Tensor)]
     for out_name, buf in buffers.items():
         if not isinstance(buf, torch.Tensor):
             continue
         span = _storage_span(buf)
-        for name, t in inputs.items():
-            if not isinstance(t, torch.Tensor) or t.device != buf.device:
-                continue
-            other = _storage_span(t)
-            if span and other and other[0] < span[1] and span[0] < other[1]:
+        if span is None:
+            continue
+        for name, device, other in spans:
+            if other and device == buf.device and other[0] < span[1] and span[0] < other[1]:
                 raise ValueError(f"{name}: shares memory with {out_name}, which this call writes; pass a copy")
 
 

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from . import _replay, backend
+from ._grid import cdiv, next_power_of_2
 
 __all__ = ["Segment", "any_bad", "flags", "kernel_on_cpu", "reset_stats", "stats"]
 
@@ -278,7 +279,7 @@ def _tile_shape(columns: int) -> tuple[int, int]:
     """``(BLOCK_R, BLOCK_C)``: a row's columns in one step where they fit in :data:`TILE` (a program's
     loop over column steps is serial, so a [1, 1024] table checked 32 columns a step took 20 us on
     an H200), the rest of the tile filled with rows."""
-    block_c = min(max(triton.next_power_of_2(max(columns, 1)), 16), TILE)
+    block_c = min(max(next_power_of_2(max(columns, 1)), 16), TILE)
     return TILE // block_c, block_c
 
 
@@ -350,7 +351,7 @@ def _run_kernel(segments: list[Segment], flags_buf: torch.Tensor) -> None:
     rows = max(1, *(slot_ints[4] for slot_ints in ints))
     block_r, block_c = _tile_shape(max(slot_ints[5] for slot_ints, mode in zip(ints, modes, strict=True) if mode))
     flat = [arg for slot_tensors, slot_ints in zip(tensors, ints, strict=True) for arg in (*slot_tensors, *slot_ints)]
-    grid = (triton.cdiv(rows, block_r), 1, 1)
+    grid = (cdiv(rows, block_r), 1, 1)
     fast = FAST_LAUNCH and _replay.supported() and _replay.hooks_idle()
     if fast:
         key = (flags_buf.device.index, modes, has_mod, block_c, *(t.dtype for group in tensors for t in group))

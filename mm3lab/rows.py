@@ -25,6 +25,7 @@ import triton.language as tl
 
 from . import backend
 from ._checks import check_index, check_int
+from ._grid import cdiv
 from .constants import SPARSE_BLOCK_SIZE
 
 __all__ = ["decode_query_rows", "decode_rows", "row_request_position", "row_slots", "rows_and_slots"]
@@ -156,7 +157,7 @@ def rows_and_slots(
         _rows_slots_torch(seq_lens, block_table, req, pos, slots, decode_query_len, prefill)
         return
     b, m = block_table.shape
-    _rows_slots[(triton.cdiv(n, _BLOCK),)](
+    _rows_slots[(cdiv(n, _BLOCK),)](
         req if prefill else seq_lens,
         block_table,
         block_table.stride(0),

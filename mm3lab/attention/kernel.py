@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .. import backend
+from .._grid import next_power_of_2
 from ..constants import PAGE_SIZE
 from .checks import readable_pages
 
@@ -320,7 +321,7 @@ def launch_config(n_rows: int, hq: int, hkv: int, d: int, width: int, device: to
     and 128-token steps read the 268 MB of selected K/V at about 3.3 TB/s; more splits
     only add merge traffic once the (row, head) pairs fill the GPU.
     """
-    d_pad = max(16, triton.next_power_of_2(d))
+    d_pad = max(16, next_power_of_2(d))
     block_n = 128 if d_pad <= 128 else 64
     if backend.INTERPRETER and device.type != "cuda":
         block_n *= 2
@@ -377,9 +378,9 @@ def sparse_attention_kernel(
     splits = max(1, min(num_splits or cfg["num_splits"], steps))
     pages_per_split = math.ceil(steps / splits) * pages_per_step
     splits = max(1, math.ceil(width / pages_per_split)) if width else 1
-    d_pad = max(16, triton.next_power_of_2(d))
+    d_pad = max(16, next_power_of_2(d))
     common = dict(
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP_PAD=max(16, next_power_of_2(group)),
         D=d,
         D_PAD=d_pad,
         BLOCK_N=block_n,
@@ -474,7 +475,7 @@ def sparse_attention_kernel(
         1 if lse is None else lse.stride(1),
         D=d,
         D_PAD=d_pad,
-        S_PAD=max(2, triton.next_power_of_2(splits)),
+        S_PAD=max(2, next_power_of_2(splits)),
         WRITE_LSE=lse is not None,
         num_warps=4,
     )

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .. import backend
+from .._grid import next_power_of_2
 from ..constants import PAGE_SIZE
 from .checks import readable_pages
 from .kernel import LOG2E, _attend_row, _finish, _online_softmax
@@ -384,13 +385,13 @@ def tiled_config(n_rows: int, hq: int, hkv: int, d: int, width: int, device: tor
     2.67 ms when each 128-query tile shares its selection).
     """
     group = hq // hkv
-    gp = triton.next_power_of_2(group)
-    w_pad = max(2, triton.next_power_of_2(max(width, 1)))
+    gp = next_power_of_2(group)
+    w_pad = max(2, next_power_of_2(max(width, 1)))
     pages = 4
     t = max(1, 64 // gp)
     while t > 1 and t * w_pad * pages > 8192 and t * gp > 16:
         t //= 2
-    t = max(t, triton.next_power_of_2(math.ceil(16 / gp)))  # tl.dot needs M >= 16
+    t = max(t, next_power_of_2(math.ceil(16 / gp)))  # tl.dot needs M >= 16
     return {"T": t, "PAGES": pages, "num_warps": 4, "num_stages": 2}
 
 
@@ -424,13 +425,13 @@ def tiled_attention_kernel(
     cfg = tiled_config(n_rows, hq, hkv, d, width, q.device)
     t = tile_rows or cfg["T"]
     pages = pages_per_step or cfg["PAGES"]
-    gp = triton.next_power_of_2(group)
+    gp = next_power_of_2(group)
     if t * gp < 16:
         raise ValueError(f"tile_rows: {t} rows x group {gp} is below 16 query vectors (tl.dot's minimum)")
     num_pages = readable_pages(k_cache, v_cache)
     union, count, row_pages = tile_unions(sparse_bt, sparse_ctx, num_pages, t)
     tiles = union.shape[1]
-    d_pad = max(16, triton.next_power_of_2(d))
+    d_pad = max(16, next_power_of_2(d))
     row_block_n = 128 if d_pad <= 128 else 64
     if backend.INTERPRETER:
         row_block_n *= 2
@@ -466,7 +467,7 @@ def tiled_attention_kernel(
         T=t,
         GP=gp,
         GP16=max(16, gp),
-        W_PAD=max(2, triton.next_power_of_2(max(width, 1))),
+        W_PAD=max(2, next_power_of_2(max(width, 1))),
         D=d,
         D_PAD=d_pad,
         PAGES=pages,

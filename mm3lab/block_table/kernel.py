@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._grid import next_power_of_2
 from ..constants import PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
 from ..rows import row_request_position
 
@@ -138,7 +139,7 @@ def _launch(topk_idx, block_table, req, pos, dql, prefill, block_page_stride, sp
         return
     if block_table.numel() == 0:  # never read (every row is padded or has nothing valid); give it memory anyway
         block_table = torch.zeros(1, 1, dtype=block_table.dtype, device=block_table.device)
-    k_block = max(1, triton.next_power_of_2(k))
+    k_block = max(1, next_power_of_2(k))
     _build_sparse_block_table[(n, h)](
         topk_idx,
         *topk_idx.stride(),

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from .. import backend
 from .._fp8_triton import round_to_e4m3
+from .._grid import cdiv, next_power_of_2
 from ..constants import SPARSE_BLOCK_SIZE
 from ..fp8 import FP8_MAX as _FP8_MAX_VALUE
 
@@ -65,9 +66,9 @@ def insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale=No
     """Launch the insert (arguments already validated, ``N > 0``); ``index_scale`` for an FP8 cache."""
     n, di = index_k.shape
     quant = index_scale is not None
-    block_d = triton.next_power_of_2(di) if quant else min(triton.next_power_of_2(di), 256)
-    block_n = max(1, min(32, 4096 // block_d, triton.next_power_of_2(n)))
-    grid = (triton.cdiv(n, block_n), triton.cdiv(di, block_d))
+    block_d = next_power_of_2(di) if quant else min(next_power_of_2(di), 256)
+    block_n = max(1, min(32, 4096 // block_d, next_power_of_2(n)))
+    grid = (cdiv(n, block_n), cdiv(di, block_d))
     _insert_index_cache[grid](
         index_k,
         *index_k.stride(),

@@ -54,6 +54,7 @@ import triton.language as tl
 
 from .. import backend
 from .._fp8_triton import round_to_e4m3
+from .._grid import cdiv, next_power_of_2
 from ..block_table.kernel import emit_sparse_block_table_row
 from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, RAW_SCORE_LIMIT, SPARSE_BLOCK_SIZE
 from ..rows import row_request_position
@@ -437,12 +438,12 @@ def index_scores_kernel(
     b, m = block_table.shape
     if n == 0 or h == 0 or m == 0:
         return
-    block_h = triton.next_power_of_2(h)
+    block_h = next_power_of_2(h)
     group = n if prefill else dql
     fp8 = index_scale is not None
     tok_m = fp8 if tok_m is None else tok_m
     if block_q is None:
-        block_q = max(1, min(triton.next_power_of_2(group), 64 // block_h))
+        block_q = max(1, min(next_power_of_2(group), 64 // block_h))
         # FP8 tokens x lanes, 8 lanes or fewer: the hi and lo parts share one 16-column dot
         pair = fp8 and tok_m and block_q * block_h <= 8
     else:
@@ -459,9 +460,9 @@ def index_scores_kernel(
     elif block_q * block_h == 32:
         block_q *= 2  # 16 or 64 lanes: the shapes the MMA path was checked with
     if prefill:
-        tiles, tiles_per_req = triton.cdiv(n, block_q), 1
+        tiles, tiles_per_req = cdiv(n, block_q), 1
     else:
-        tiles_per_req = triton.cdiv(dql, block_q)
+        tiles_per_req = cdiv(dql, block_q)
         tiles = b * tiles_per_req
     if blocks_per_program is not None:
         blocks_per_program = max(1, min(blocks_per_program, m))
@@ -471,11 +472,11 @@ def index_scores_kernel(
         # enough programs to fill every SM, even at batch 1 (FP8 keys: twice as many, each half as
         # long, since a block is half the bytes)
         target = (16 if fp8 else 8) * _num_sms(index_q.device)
-        blocks_per_program = max(4, triton.cdiv(tiles * m, target))
-    chunks = triton.cdiv(m, blocks_per_program)
+        blocks_per_program = max(4, cdiv(tiles * m, target))
+    chunks = cdiv(m, blocks_per_program)
     if block_table.numel() == 0:
         block_table = torch.zeros(1, 1, dtype=torch.int32, device=index_q.device)
-    block_d = max(32 if fp8 else 16, triton.next_power_of_2(di))
+    block_d = max(32 if fp8 else 16, next_power_of_2(di))
     _index_scores[(tiles, chunks)](
         index_q,
         *index_q.stride(),
@@ -735,15 +736,15 @@ def topk_kernel(
             block_table = torch.zeros(1, 1, dtype=torch.int32, device=scores.device)
     else:
         m, block_table, sparse_bt, sparse_ctx = 0, dummy.view(-1)[:1].view(1, 1), dummy, dummy
-    k_block = max(2, triton.next_power_of_2(topk))  # (tl.topk needs k >= 2)
-    block_w = max(16, k_block, min(triton.next_power_of_2(max(w, 1)), max_register_row))
+    k_block = max(2, next_power_of_2(topk))  # (tl.topk needs k >= 2)
+    block_w = max(16, k_block, min(next_power_of_2(max(w, 1)), max_register_row))
     rows = h * n
     bitonic = algorithm == "bitonic"
     if rows_per_program is None:
         if backend.INTERPRETER:  # few programs: the interpreter pays per program and per operation
-            rows_per_program = max(1, min(triton.next_power_of_2(rows), 16384 // block_w))
+            rows_per_program = max(1, min(next_power_of_2(rows), 16384 // block_w))
         else:
-            rows_per_program = max(1, min(triton.next_power_of_2(rows), 2048 // block_w, 4 if emit else 64))
+            rows_per_program = max(1, min(next_power_of_2(rows), 2048 // block_w, 4 if emit else 64))
     if group is None:
         group = TOPK_GROUP if block_w >= 64 * k_block else 1
     if group < 1 or (group > 1 and (group & (group - 1) or block_w // group < k_block)):
@@ -751,7 +752,7 @@ def topk_kernel(
             f"group must be a power of 2 with at least {k_block} groups in a row of {block_w}, got {group}"
         )
     tile = rows_per_program * block_w
-    _topk_rows[(triton.cdiv(rows, rows_per_program),)](
+    _topk_rows[(cdiv(rows, rows_per_program),)](
         scores,
         *scores.stride(),
         topk_idx,

@@ -7,6 +7,7 @@ import triton.language as tl
 
 from .. import backend
 from .._fp8_triton import round_to_e4m3
+from .._grid import next_power_of_2
 from ..constants import PAGE_SIZE, SPARSE_BLOCK_SIZE
 
 
@@ -112,8 +113,8 @@ def write_kv_page16_kernel(
         INTERPRETED=backend.INTERPRETER,
         H=h,
         D=d,
-        BLOCK_H=triton.next_power_of_2(h),
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_H=next_power_of_2(h),
+        BLOCK_D=next_power_of_2(d),
         BLOCK_PAGE_STRIDE=block_page_stride,
         SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
         PAGE=PAGE_SIZE,

@@ -135,15 +135,15 @@ def _check_inserts(
     check_tensor("value", value, shape=(n, hkv, d), dtypes=(kv_dtype,))
     check_scale(scale, d)
     check_same_device(q=q, k_cache=k_cache, key=key, value=value, block_table=block_table)
-    inputs = {"q": q, "key": key, "value": value, "index_k": index_k}
-    check_no_alias(k_cache=k_cache, v_cache=v_cache, inputs=inputs)
-    if index_cache is not None:
-        check_no_alias(index_cache=index_cache, inputs=inputs)
-    scales = {
-        k: v for k, v in (("index_scale", index_scale), ("k_scale", k_scale), ("v_scale", v_scale)) if v is not None
-    }
-    if scales:
-        check_no_alias(**scales, inputs=inputs)
+    check_no_alias(  # (None entries are skipped)
+        k_cache=k_cache,
+        v_cache=v_cache,
+        index_cache=index_cache,
+        index_scale=index_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        inputs={"q": q, "key": key, "value": value, "index_k": index_k},
+    )
     check_write_kv(key, value, k_cache, v_cache, slots, k_scale, v_scale)
     if index_cache is not None:
         check_insert_index_cache(index_k, index_cache, slots, index_scale)
