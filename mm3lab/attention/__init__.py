@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from .. import backend
+from .._checks import check_scale
 from . import reference
 from .checks import check_sparse_attention
 from .reference import dense_masked_attention
@@ -125,6 +126,15 @@ def sparse_attention(
     _, scale = check_sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, k_scale, v_scale)
     if algorithm is not None:
         choose_algorithm(q.shape[0], algorithm)  # a bad name raises on every path
+    return _attend_checked(
+        q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse, out, algorithm, k_scale, v_scale
+    )
+
+
+def _attend_checked(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse, out, algorithm, k_scale, v_scale):
+    """:func:`sparse_attention` after its checks, for a caller that made them (the MSA layer, whose
+    page lists the sparse block table built); ``scale=None`` is ``D ** -0.5``."""
+    scale = check_scale(scale, q.shape[-1])
     fallback = backend.bf16_interpreted(q.dtype)
     if not backend.use_kernel(q, k_cache, sparse_bt, entry_point="sparse_attention", fallback=fallback):
         return reference.sparse_attention(

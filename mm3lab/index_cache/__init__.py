@@ -98,6 +98,11 @@ def insert_index_cache(
             different devices; with validation on, a slot ``>= num_blocks * 128``.
     """
     check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale)
+    _insert_checked(index_k, index_cache, slot_mapping, index_scale)
+
+
+def _insert_checked(index_k, index_cache, slot_mapping, index_scale=None) -> None:
+    """:func:`insert_index_cache` after its checks, for a caller that made them (the MSA layer)."""
     if index_k.shape[0] == 0:
         return
     if not backend.use_kernel(index_k, index_cache, slot_mapping, entry_point="insert_index_cache"):

@@ -29,6 +29,7 @@ the block max; the reference dequantizes the keys. Scores agree within
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import NamedTuple
 
@@ -86,9 +87,9 @@ class _Call(NamedTuple):
             rows = _Rows(a.query_req_id, a.query_abs_pos, 1, True)
         return cls(a.index_q, a.index_cache, a.block_table, rows, a.init_blocks, a.local_blocks, a.index_scale)
 
-    def run(self, entry: str, arguments: dict):
-        """Check the call, then run ``entry``: the scores kernel (then the top-k kernel), or the
-        reference where SPEC 7 says so.
+    def run(self, entry: str, arguments: dict, checked: bool = False):
+        """Check the call (unless the caller has: ``checked``), then run ``entry``: the scores kernel
+        (then the top-k kernel), or the reference where SPEC 7 says so.
 
         ``arguments``: every argument of the entry point by name; besides the rows and the tensors,
         its own ones: ``forced`` (scores), ``topk``, and ``block_page_stride`` (top-k fused with
@@ -96,17 +97,9 @@ class _Call(NamedTuple):
         """
         index_q, index_cache, block_table, rows, init_blocks, local_blocks, index_scale = self
         topk = arguments.get("topk", NO_TOPK)
-        if rows.prefill:
-            check_prefill(
-                index_q, index_cache, block_table, rows.req, rows.pos, topk, init_blocks, local_blocks, index_scale
-            )
-        else:
-            check_decode(
-                index_q, index_cache, block_table, rows.req, topk, rows.dql, init_blocks, local_blocks, index_scale
-            )
         block_page_stride = arguments.get("block_page_stride")
-        if block_page_stride is not None:
-            check_block_page_stride(block_page_stride)
+        if not checked:
+            self._check(topk, block_page_stride)
         if not _use_kernel(entry, index_q, index_cache, block_table, rows.req, rows.pos):
             return getattr(reference, entry)(**arguments)  # the twin has the same signature
         if block_page_stride is not None and topk > MAX_KERNEL_TOPK:
@@ -116,6 +109,20 @@ class _Call(NamedTuple):
             return scores
         table = () if block_page_stride is None else (block_table, block_page_stride)
         return _topk(scores, topk, rows.req, rows.pos, block_table.shape[0], rows.dql, rows.prefill, *table)
+
+    def _check(self, topk: int, block_page_stride) -> None:
+        """Every check of the call (SPEC 7), ``topk`` and ``block_page_stride`` included where it has them."""
+        index_q, index_cache, block_table, rows, init_blocks, local_blocks, index_scale = self
+        if rows.prefill:
+            check_prefill(
+                index_q, index_cache, block_table, rows.req, rows.pos, topk, init_blocks, local_blocks, index_scale
+            )
+        else:
+            check_decode(
+                index_q, index_cache, block_table, rows.req, topk, rows.dql, init_blocks, local_blocks, index_scale
+            )
+        if block_page_stride is not None:
+            check_block_page_stride(block_page_stride)
 
     def scores(self, forced: bool) -> torch.Tensor:
         """The scores kernel: ``[H, N, M]`` float32, forced (what top-k ranks) or raw."""
@@ -163,6 +170,21 @@ def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_p
 def _run(entry: str, arguments: dict):
     """Check and run the entry point ``entry``; ``arguments``: all of its arguments by name (its ``locals()``)."""
     return _Call.of(arguments).run(entry, arguments)
+
+
+def _checked_entry(entry: str):
+    """The entry point named ``entry`` without its checks, for a caller that made them (the MSA layer):
+    the same arguments, positional or by name."""
+    parameters = inspect.signature(globals()[entry]).parameters
+    names = tuple(parameters)
+    defaults = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
+
+    def run(*args, **kwargs):
+        arguments = {**defaults, **dict(zip(names, args, strict=False)), **kwargs}
+        return _Call.of(arguments).run(entry, arguments, checked=True)
+
+    run.__name__ = run.__qualname__ = f"{entry}_checked"
+    return run
 
 
 def index_scores_decode(

@@ -132,7 +132,14 @@ def write_kv_page16(
             float32): each (token, KV head) vector is quantized, ``scale = amax(|x|) / 448`` (1 for
             zeros), stored ``x / scale`` in e4m3 (SPEC section 9); kernel and reference store the same bits.
     """
-    block_page_stride = check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    _write_checked(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def _write_checked(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """:func:`write_kv_page16` after its checks, for a caller that made them (the MSA layer)."""
+    # (checked views: the packed layout's V view is 8 pages shorter, the dense one's is not)
+    block_page_stride = PACKED_STRIDE if v_cache.shape[0] != k_cache.shape[0] else DENSE_STRIDE
     if key.shape[0] == 0:
         return
     if backend.use_kernel(key, k_cache, entry_point="write_kv_page16"):

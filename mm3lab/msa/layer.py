@@ -31,21 +31,16 @@ import types
 import torch
 
 from .._checks import check_int, check_no_alias, check_same_device, check_scale, check_tensor, validation
-from ..attention import sparse_attention
+from ..attention import _attend_checked
 from ..constants import DEFAULT_TOPK
 from ..fp8 import FP8_DTYPE
-from ..index_cache import insert_index_cache
+from ..index_cache import _insert_checked
 from ..index_cache.checks import check_index_cache, check_insert_index_cache
-from ..indexer import (
-    index_scores_decode,
-    index_scores_prefill,
-    index_topk_block_table_decode,
-    index_topk_block_table_prefill,
-)
+from ..indexer import _checked_entry, index_scores_decode, index_scores_prefill
 from ..indexer.checks import MAX_TOPK
 from ..indexer.checks import check_decode as check_indexer_decode
 from ..indexer.checks import check_prefill as check_indexer_prefill
-from ..layout import check_kv_views, num_cache_blocks, write_kv_page16
+from ..layout import _write_checked, check_kv_views, num_cache_blocks
 from ..layout.checks import check_write_kv
 from ..layout.views import check_kv_scales
 from ..rows import decode_query_rows, rows_and_slots
@@ -182,17 +177,24 @@ def _kernel_rows_and_slots(block_table, rows):
     return first, second, slots
 
 
+def _attend(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale=None, *, return_lse=False, k_scale=None, v_scale=None):
+    """:func:`mm3lab.sparse_attention` without its checks: :func:`run_layer` made them."""
+    return _attend_checked(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse, None, None, k_scale, v_scale)
+
+
 KERNEL_STEPS = types.SimpleNamespace(
     rows_and_slots=_kernel_rows_and_slots,
-    insert_index_cache=insert_index_cache,
-    write_kv_page16=write_kv_page16,
-    index_topk_block_table_decode=index_topk_block_table_decode,
-    index_topk_block_table_prefill=index_topk_block_table_prefill,
+    insert_index_cache=_insert_checked,
+    write_kv_page16=_write_checked,
+    index_topk_block_table_decode=_checked_entry("index_topk_block_table_decode"),
+    index_topk_block_table_prefill=_checked_entry("index_topk_block_table_prefill"),
     index_scores_decode=index_scores_decode,
     index_scores_prefill=index_scores_prefill,
-    sparse_attention=sparse_attention,
+    sparse_attention=_attend,
 )
-"""The steps :func:`msa_decode` / :func:`msa_prefill` join; :mod:`mm3lab.msa.reference` joins their twins."""
+"""The steps :func:`msa_decode` / :func:`msa_prefill` join: the kernel entry points, without the checks
+:func:`run_layer` has made (all of them, before the first write); :mod:`mm3lab.msa.reference` joins
+their twins, checks and all."""
 
 
 def run_layer(steps, arguments: dict):
@@ -203,7 +205,8 @@ def run_layer(steps, arguments: dict):
     (:mod:`mm3lab.msa.reference`) both hand theirs here.
     Every argument is checked before the first cache write (SPEC 7): the values in one launch and
     one host read (the indexer's checks); the slots and tables the later steps build from them are
-    inside the caches, so the steps' own value checks do not run again (their structural checks do).
+    inside the caches, so the steps' own value checks do not run again, nor (on kernel steps) their
+    structural checks, which the checks here include.
     """
     args = types.SimpleNamespace(**arguments)
     decode = "seq_lens" in arguments
