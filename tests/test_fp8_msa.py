@@ -172,6 +172,21 @@ def test_missing_scale_is_rejected_before_any_write(drop):
             assert torch.equal(_bits(v), before[k]), k
 
 
+@pytest.mark.parametrize("step", [mm3lab.msa_decode, mm3lab.reference.msa_decode])
+def test_integer_queries_over_an_fp8_cache_are_rejected_before_any_write(step):
+    """An FP8 KV cache takes queries of any float dtype, and only those: the layer's own check,
+    since its steps do not repeat the attention entry point's checks."""
+    layer = _layer("cpu")
+    caches = _clone(_fp8_caches(layer))
+    before = {k: _bits(v).clone() for k, v in caches.items()}
+    args = _inputs(layer, caches)
+    args["q"] = args["q"].to(torch.int32)
+    with pytest.raises(TypeError, match="q"):
+        step(**args, topk=2)
+    for k, v in caches.items():
+        assert torch.equal(_bits(v), before[k]), k
+
+
 def test_scale_for_a_non_fp8_cache_is_rejected():
     layer = _layer("cpu")
     isc = mm3lab.allocate_index_scale(layer.index_cache.shape[0])

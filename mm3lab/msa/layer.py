@@ -30,7 +30,7 @@ import types
 
 import torch
 
-from .._checks import check_int, check_no_alias, check_same_device, check_scale, check_tensor, validation
+from .._checks import FLOAT_DTYPES, check_int, check_no_alias, check_same_device, check_scale, check_tensor, validation
 from ..attention import _attend_checked
 from ..constants import DEFAULT_TOPK
 from ..fp8 import FP8_DTYPE
@@ -89,7 +89,7 @@ def _check_query(q, k_cache, v_cache, index_q=None, k_scale=None, v_scale=None) 
             raise ValueError(
                 f"index_q: {index_q.shape[1]} index heads, but the KV cache has {hkv} KV heads (one index head each)"
             )
-    check_tensor("q", q, ndim=3)
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     if q.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE:  # an FP8 cache takes queries of any float dtype
         raise TypeError(f"q: dtype {q.dtype} differs from k_cache's {k_cache.dtype}")
     if q.shape[2] != d:
