@@ -260,3 +260,17 @@ def test_a_plan_on_the_pytorch_path_names_its_rule():
         plan = mm3lab.MSADecodePlan(layer.cache.k_cache, layer.cache.v_cache, layer.index_cache, **plan_sizes(layer))
     assert not plan.uses_kernels
     assert taken == {"MSADecodePlan": "bf16-interpreter"}
+
+
+def test_launch_arithmetic_matches_tritons():
+    """``mm3lab._grid`` replaces Triton's constexpr functions on the host: the same value for every input."""
+    import triton
+
+    from mm3lab._grid import cdiv, next_power_of_2
+
+    values = [*range(0, 4100), 2**31 - 1, 2**31, 2**31 + 1, 2**40 + 3]
+    for n in values:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+    for x in values[::7]:
+        for y in (1, 2, 3, 16, 128, 1000):
+            assert cdiv(x, y) == triton.cdiv(x, y), (x, y)
