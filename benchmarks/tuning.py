@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from mm3lab.indexer.kernel import index_scores_kernel
+from mm3lab.indexer.kernel import DEFAULT_STAGES, index_scores_kernel
 
 from .common import Context
 from .fp8 import GridProblem, _free, _time
 
 STAGES_TRIED = (2, 3, 4, 5, 6)
-DEFAULT_STAGES = 5
 ORIENTATIONS = {
     "lanes_x_tokens": (False, False),
     "tokens_x_lanes": (True, False),
@@ -35,7 +34,6 @@ def run_indexer_tuning(ctx: Context) -> None:
     """Every (num_stages, orientation) of the scoring launch, bf16 and FP8 keys; see the module docstring."""
     s = ctx.shapes
     batch, context = (64, 131072) if ctx.cuda else (2, 300)
-    stages = STAGES_TRIED if ctx.cuda else (2, DEFAULT_STAGES)
     for dtype in (s.dtype_name, "fp8"):
         if ctx.out_of_time(f"indexer tuning {dtype}"):
             continue
@@ -65,13 +63,15 @@ def run_indexer_tuning(ctx: Context) -> None:
             ]
 
         fp8 = dtype == "fp8"
+        default_stages = DEFAULT_STAGES["fp8" if fp8 else "bf16"]
+        stages = STAGES_TRIED if ctx.cuda else (2, default_stages)
         default = (fp8, fp8)  # the kernel's own choice: tokens x lanes, paired, for FP8 keys
-        base = _time(ctx, fns(DEFAULT_STAGES, *default))  # (a graph on the GPU, eager on the CPU)
+        base = _time(ctx, fns(default_stages, *default))  # (a graph on the GPU, eager on the CPU)
         for orientation, knobs in ORIENTATIONS.items():
             if knobs[1] and not fp8:
                 continue  # (pairing splits an FP8 query; bf16 has one part)
             for num_stages in stages:
-                is_default = num_stages == DEFAULT_STAGES and knobs == default
+                is_default = num_stages == default_stages and knobs == default
                 t = base if is_default else _time(ctx, fns(num_stages, *knobs))
                 shape = {
                     "batch": batch,
