@@ -52,6 +52,8 @@ FALLBACK_RULES = {
     "(float32 score tiles stay at 16 lanes)",
     "topk-over-512": "topk > 512 in the sparse block table: the PyTorch path "
     "(the kernel holds a row's ids in registers)",
+    "tile-prepass-interpreter": "the tiled prefill's pre-pass under Triton's interpreter: the PyTorch pre-pass "
+    "(the same tables; the interpreter's sort is slow); the attention itself stays the kernel",
 }
 """Every rule by which a kernel entry point runs PyTorch instead (SPEC 7): name -> what and why."""
 

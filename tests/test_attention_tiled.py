@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_attention import (
     TOLERANCE,
@@ -126,6 +126,17 @@ def test_chunk_every_tile_mode(device, tile_mode, layout, overlap):
     check_tiled(case, tile_mode, tile_rows=4)
 
 
+@pytest.mark.parametrize("overlap", [1.0, 0.5])
+def test_plain_steps_change_nothing(device, overlap):
+    """Steps whose pages every row of the tile reads whole, once, skip the per-token weights: the
+    result is bit-identical to weighting every step (shared selections make such steps common)."""
+    case = make_chunk_case(device, "dense", (1, 4, 32), [700], [40], overlap=overlap, seed=3, topk=4)
+    shortcut, lse_s = run_tiled(case, "union", tile_rows=4, plain_steps=True)
+    weighted, lse_w = run_tiled(case, "union", tile_rows=4, plain_steps=False)
+    assert torch.equal(shortcut, weighted) and torch.equal(lse_s, lse_w)
+    check_tiled(case, "union", tile_rows=4)
+
+
 @pytest.mark.parametrize("tile_rows,pages", [(8, 1), (16, 2), (32, 4)])
 def test_tile_and_step_sizes(device, tile_rows, pages):
     case = make_chunk_case(
@@ -193,12 +204,50 @@ def test_neighbour_share():
     assert abs(float(tiled.neighbour_share(bt, ctx)) - 3 / 5) < 1e-6
 
 
-def test_tile_unions_lists_distinct_used_pages():
-    bt = torch.tensor([[[5, 6, 7, 9], [6, 2, 9, 9], [1, 1, 1, 1]]], dtype=torch.int32)
-    ctx = torch.tensor([[40, 64, 0]], dtype=torch.int32)  # 3 pages, 4 pages, none
-    union, count, row_pages = tiled.tile_unions(bt, ctx, num_pages=9, tile_rows=2)  # page 9 is outside
-    assert count.tolist() == [[4, 0]] and row_pages.tolist() == [[5, 0]]
+@pytest.mark.parametrize("prepass", [tiled.tile_unions, tiled.tile_unions_kernel])
+def test_tile_unions_lists_distinct_used_pages(device, prepass):
+    bt = torch.tensor([[[5, 6, 7, 9], [6, 2, 6, 9], [1, 1, 1, 1]]], dtype=torch.int32, device=device)
+    ctx = torch.tensor([[40, 64, 0]], dtype=torch.int32, device=device)  # 3 pages (the last 8 tokens), 4, none
+    union, count, row_pages, whole, live, plain = prepass(bt, ctx, num_pages=9, tile_rows=2)  # page 9: outside
+    assert count.tolist() == [[4, 0]] and row_pages.tolist() == [[6, 0]]
     assert union[0, 0, :4].tolist() == [2, 5, 6, 7] and (union[0, 0, 4:] == -1).all()
+    # whole-page uses per (union page, row): page 6 twice in row 1; page 7 is row 0's tail, read in part
+    assert whole[0, 0, :4].tolist() == [[0, 1], [1, 0], [1, 2], [0, 0]]
+    assert not whole[0, 0, 4:].any() and not whole[0, 1].any()
+    assert live[0, 0, :4].tolist() == [16, 16, 16, 8] and not live[0, 0, 4:].any()
+    assert not plain.any()  # no page is read whole exactly once by both rows
+    bt2 = torch.tensor([[[3, 4], [4, 3]]], dtype=torch.int32, device=device)
+    ctx2 = torch.tensor([[32, 20]], dtype=torch.int32, device=device)  # row 1 reads 4 tokens of page 3
+    union, count, _, _, live, plain = prepass(bt2, ctx2, num_pages=9, tile_rows=2)
+    assert union[0, 0, :2].tolist() == [3, 4] and plain[0, 0].tolist() == [0, 1, 0, 0]
+    assert live[0, 0, :2].tolist() == [16, 16]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_tile_unions_kernel_matches_torch(device, data):
+    """The Triton pre-pass gives the PyTorch pre-pass's tables exactly: random page lists with repeats,
+    pages outside the cache, padded rows, tails mid-page, ``ctx`` 0."""
+    hkv = data.draw(st.integers(1, 2))
+    n = data.draw(st.integers(1, 12))
+    width = data.draw(st.integers(1, 12))
+    tile_rows = data.draw(st.sampled_from([1, 2, 4, 8]))
+    pages = data.draw(st.integers(1, 10))
+    seed = data.draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    bt = torch.randint(-1, pages + 2, (hkv, n, width), generator=g, dtype=torch.int32)
+    ctx = torch.randint(-2, width * 16 + 3, (hkv, n), generator=g, dtype=torch.int32)
+    bt, ctx = bt.to(device), ctx.to(device)
+    want = tiled.tile_unions(bt, ctx, pages, tile_rows)
+    got = tiled.tile_unions_kernel(bt, ctx, pages, tile_rows)
+    for name, a, b in zip(("union", "count", "row_pages", "whole", "live", "plain"), got, want, strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("prepass", ["kernel", "torch"])
+def test_both_prepasses_give_the_same_output(device, prepass):
+    case = make_chunk_case(device, "packed", (2, 4, 32), [500, 90], [33, 20], overlap=0.6, seed=9, pad_rows=1)
+    check_tiled(case, "union", tile_rows=4, prepass=prepass)
 
 
 # ----------------------------------------------------------------------------

@@ -10,17 +10,20 @@ rows use, loading each page's K and V once for the whole tile.
 Exactness for any input ``sparse_attention`` accepts (no block structure is
 assumed; a page list is just a list of pages):
 
-* a pre-pass (:func:`tile_unions`, PyTorch on the device, no host sync) lists per
-  (KV head, tile) the distinct readable pages that its rows use (the first
-  ``ceil(ctx / 16)`` entries of each row), sorted, ``-1`` padded, with their count
-  and the tile's total number of used (row, page) entries;
-* for each step of ``PAGES`` union pages the kernel compares them with the rows'
-  own page lists and gets, per (row, token), the number of times the row attends
-  that token: whole pages count once per occurrence, the row's last page only its
-  first ``ctx % 16`` tokens. A token attended ``w`` times enters the softmax with
-  the score ``s + log(w)`` (weight ``w``), and ``w = 0`` masks it. So disjoint
-  selections, ``ctx`` 0, padded rows, repeated pages and tails mid-page all come
-  out exactly as in the page-walking reference.
+* a pre-pass (:func:`tile_unions_kernel`, one launch, no host sync; :func:`tile_unions`
+  is its PyTorch form) lists per (KV head, tile) the distinct readable pages that its
+  rows use (the first ``ceil(ctx / 16)`` entries of each row), sorted, ``-1`` padded,
+  with their count and the tile's total number of used (row, page) entries, and per
+  union page how many times each row reads it whole, how many of its leading tokens
+  some row reads, and whether every row of the tile reads it whole exactly once;
+* for each step of ``PAGES`` union pages the kernel gets, per (row, token), the number
+  of times the row attends that token: the whole-page counts, plus one for the first
+  ``ctx % 16`` tokens of the page a row's tail ends in. A token attended ``w`` times
+  enters the softmax with the score ``s + log(w)`` (weight ``w``), and ``w = 0`` masks
+  it. A step whose pages every row reads whole exactly once (most steps when a tile
+  shares its selection) skips the weights: they are all 1. So disjoint selections,
+  ``ctx`` 0, padded rows, repeated pages and tails mid-page all come out exactly as in
+  the page-walking reference.
 
 When a tile's rows share little (union close to the sum of the rows' pages, as
 with independent random selections), walking the union costs ``T`` times the
@@ -45,42 +48,180 @@ from ..constants import PAGE_SIZE
 from .checks import readable_pages
 from .kernel import LOG2E, _attend_row, _finish, _online_softmax
 
+TILE_QUERY_VECTORS, TILE_PAGES, TILE_WARPS, TILE_STAGES = 64, 4, 4, 2
+"""The tile's default shape: query vectors per program, union pages per step, warps, pipeline stages
+(see :func:`tiled_config`)."""
+
 ROW_MODE_FACTOR = 0.5
 """A tile walks its rows one by one when its union has more than this fraction of its rows' pages."""
 
 
 def tile_unions(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pages: int, tile_rows: int):
-    """Per (KV head, tile of ``tile_rows`` rows): the distinct readable pages its rows use.
+    """The pre-pass in PyTorch (the readable form of :func:`tile_unions_kernel`, which the tiled kernel
+    runs): per (KV head, tile of ``tile_rows`` rows), the distinct readable pages its rows use, and
+    how its rows use each of them.
 
-    Returns ``(union [Hkv, tiles, tile_rows * W] int32 sorted, -1 padded,
-    count [Hkv, tiles] int32, row_pages [Hkv, tiles] int32)`` where ``row_pages`` is
-    the number of used (row, page) entries of the tile. Runs on the tables' device
-    without reading anything back to the host.
+    Returns ``(union, count, row_pages, whole, live, plain)``, with ``U = tile_rows * W``:
+
+    * ``union [Hkv, tiles, U]`` int32: the tile's distinct readable used pages, sorted, ``-1`` padded;
+    * ``count [Hkv, tiles]`` int32: how many; ``row_pages [Hkv, tiles]`` int32: the tile's used
+      (row, page) entries (the first ``ceil(ctx / 16)`` of each row, pages in the cache);
+    * ``whole [Hkv, tiles, U, tile_rows]`` int32: how many of row ``r``'s entries are union page
+      ``u`` read whole (every entry but a tail that ends mid-page);
+    * ``live [Hkv, tiles, U]`` int32: how many leading tokens of page ``u`` some row reads (16, or
+      the longest tail ending in it); ``plain [Hkv, tiles, U]`` int32: 1 where every row of the tile
+      reads page ``u`` whole exactly once (no mask needed), else 0.
+
+    Runs on the tables' device without reading anything back to the host.
     """
     hkv, n, width = sparse_bt.shape
     tiles = max(1, math.ceil(n / tile_rows))
+    dev = sparse_bt.device
     ctx = sparse_ctx.clamp(0, width * PAGE_SIZE).to(torch.int32)
-    used_pages = (ctx + PAGE_SIZE - 1) // PAGE_SIZE
-    used = torch.arange(width, device=sparse_bt.device, dtype=torch.int32) < used_pages.unsqueeze(-1)
-    used &= (sparse_bt >= 0) & (sparse_bt < num_pages)  # a page outside the cache is never read
+    slot = torch.arange(width, device=dev, dtype=torch.int32)
+    tokens = (ctx.unsqueeze(-1) - slot * PAGE_SIZE).clamp(0, PAGE_SIZE)  # tokens of each entry the row reads
+    used = (tokens > 0) & (sparse_bt >= 0) & (sparse_bt < num_pages)  # a page outside the cache is never read
     big = torch.iinfo(torch.int32).max  # sorts after every readable page
     vals = torch.where(used, sparse_bt.to(torch.int32), big)
     pad = tiles * tile_rows - n
     if pad:
         vals = torch.cat([vals, vals.new_full((hkv, pad, width), big)], dim=1)
         used = torch.cat([used, used.new_zeros(hkv, pad, width)], dim=1)
-    ordered = vals.view(hkv, tiles, tile_rows * width).sort(dim=-1).values
+        tokens = torch.cat([tokens, tokens.new_zeros(hkv, pad, width)], dim=1)
+    flat = vals.view(hkv, tiles, tile_rows * width)
+    used = used.view(hkv, tiles, -1)
+    tokens = torch.where(used, tokens.view(hkv, tiles, -1), 0)
+    ordered = flat.sort(dim=-1).values
     first = torch.ones_like(ordered, dtype=torch.bool)
     first[..., 1:] = ordered[..., 1:] != ordered[..., :-1]
     first &= ordered != big
-    slot = torch.cumsum(first, dim=-1, dtype=torch.int32) - 1  # where each first occurrence goes
-    count = slot[..., -1] + 1
-    dump = tile_rows * width  # duplicates are written to a column that is dropped
-    union = torch.full((hkv, tiles, dump + 1), -1, dtype=torch.int32, device=sparse_bt.device)
-    union.scatter_(-1, torch.where(first, slot, dump).long(), ordered)
-    union = union[..., :dump].contiguous()
-    row_pages = used.view(hkv, tiles, tile_rows * width).sum(-1, dtype=torch.int32)
-    return union, count.to(torch.int32).contiguous(), row_pages
+    at = torch.cumsum(first, dim=-1, dtype=torch.int32) - 1  # where each first occurrence goes
+    count = at[..., -1] + 1
+    u = tile_rows * width  # duplicates and unused entries go to a column that is dropped
+    union = torch.full((hkv, tiles, u + 1), big, dtype=torch.int32, device=dev)
+    union.scatter_(-1, torch.where(first, at, u).long(), ordered)
+    union = union[..., :u].contiguous()  # sorted, ``big`` past the count
+    # each entry's place in its tile's union, then counts per (union page, row) and per union page
+    where = torch.where(used, torch.searchsorted(union, flat).clamp_(max=u - 1), u)
+    row = torch.arange(tile_rows, device=dev).repeat_interleave(width)
+    whole_e = used & (tokens == PAGE_SIZE)
+    cell = torch.where(whole_e, where * tile_rows + row, u * tile_rows)
+    whole = torch.zeros(hkv, tiles, (u + 1) * tile_rows, dtype=torch.int32, device=dev)
+    whole.scatter_add_(-1, cell, torch.ones_like(cell, dtype=torch.int32))
+    whole = whole[..., : u * tile_rows].reshape(hkv, tiles, u, tile_rows)
+    live = torch.zeros(hkv, tiles, u + 1, dtype=torch.int32, device=dev)
+    live.scatter_reduce_(-1, where, tokens, "amax")
+    tail = torch.zeros(hkv, tiles, u + 1, dtype=torch.int32, device=dev)
+    tail.scatter_add_(-1, where, (used & ~whole_e).to(torch.int32))
+    plain = ((whole == 1).all(-1) & (tail[..., :u] == 0)).to(torch.int32)
+    union = torch.where(union == big, -1, union)
+    row_pages = used.sum(-1, dtype=torch.int32)
+    return union, count.to(torch.int32).contiguous(), row_pages, whole, live[..., :u].contiguous(), plain
+
+
+@triton.jit
+def _tile_unions_fwd(
+    bt_ptr,
+    ctx_ptr,
+    union_ptr,  # [Hkv, tiles, U] filled with -1
+    count_ptr,
+    rowpages_ptr,
+    whole_ptr,  # [Hkv, tiles, U, T] zeros
+    live_ptr,  # [Hkv, tiles, U] zeros
+    plain_ptr,  # [Hkv, tiles, U] zeros
+    n_rows,
+    width,
+    num_pages,
+    stride_bh,
+    stride_bn,
+    stride_bw,
+    stride_ch,
+    stride_cn,
+    T: tl.constexpr,
+    W_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+):
+    """One program per (tile, KV head): sort the tile's used entries by (page, row), then count."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    tiles = tl.num_programs(0)
+    u_len = T * width
+    o = tl.arange(0, T * W_PAD)
+    t = o // W_PAD
+    w = o % W_PAD
+    n = tile * T + t
+    row_ok = n < n_rows
+    ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn, mask=row_ok, other=0).to(tl.int32)
+    ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE)
+    tokens = tl.minimum(tl.maximum(ctx - w * PAGE, 0), PAGE)  # tokens of the entry the row reads
+    used = row_ok & (w < width) & (tokens > 0)
+    page = tl.load(
+        bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn + w * stride_bw, mask=used, other=-1
+    ).to(tl.int64)
+    used = used & (page >= 0) & (page < num_pages)  # a page outside the cache is never read
+    # key: page, then row, then the entry's tokens (1 .. PAGE, in 5 bits); unused entries sort last
+    big: tl.constexpr = 2**62
+    key = tl.sort(tl.where(used, (page * T + t) * 32 + tokens, big))
+    valid = key != big
+    pg = key // (32 * T)
+    pr = key // 32  # (page, row)
+    prev = tl.gather(key, tl.maximum(o - 1, 0), 0) // 32
+    first_page = valid & ((o == 0) | (prev // T != pg))
+    first_pr = valid & ((o == 0) | (prev != pr))
+    at = tl.cumsum(first_page.to(tl.int32), 0) - 1
+    base = h.to(tl.int64) * tiles + tile
+    tl.store(union_ptr + base * u_len + at, pg.to(tl.int32), mask=first_page)
+    tl.store(count_ptr + base, tl.sum(first_page.to(tl.int32), 0))
+    tl.store(rowpages_ptr + base, tl.sum(used.to(tl.int32), 0))
+    tok = (key % 32).to(tl.int32)
+    row = (pr % T).to(tl.int32)
+    whole_e = valid & (tok == PAGE)
+    tl.atomic_add(whole_ptr + (base * u_len + at) * T + row, 1, mask=whole_e)
+    tl.atomic_max(live_ptr + base * u_len + at, tok, mask=valid)
+    # plain: T distinct rows, each with one whole entry and nothing else (a repeat or a tail adds 4096)
+    tl.atomic_add(plain_ptr + base * u_len + at, tl.where(whole_e & first_pr, 1, 4096), mask=valid)
+    tl.debug_barrier()
+    ou = tl.arange(0, T * W_PAD)
+    sums = tl.load(plain_ptr + base * u_len + ou, mask=ou < u_len, other=0)
+    tl.store(plain_ptr + base * u_len + ou, (sums == T).to(tl.int32), mask=ou < u_len)
+
+
+def tile_unions_kernel(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pages: int, tile_rows: int):
+    """:func:`tile_unions` in one Triton launch (plus the outputs' fills); the same results."""
+    hkv, n, width = sparse_bt.shape
+    tiles = max(1, math.ceil(n / tile_rows))
+    u = tile_rows * width
+    dev = sparse_bt.device
+    union = torch.full((hkv, tiles, u), -1, dtype=torch.int32, device=dev)
+    count = torch.empty(hkv, tiles, dtype=torch.int32, device=dev)
+    row_pages = torch.empty(hkv, tiles, dtype=torch.int32, device=dev)
+    whole = torch.zeros(hkv, tiles, u, tile_rows, dtype=torch.int32, device=dev)
+    live = torch.zeros(hkv, tiles, u, dtype=torch.int32, device=dev)
+    plain = torch.zeros(hkv, tiles, u, dtype=torch.int32, device=dev)
+    if width == 0 or n == 0:
+        count.zero_()
+        row_pages.zero_()
+        return union, count, row_pages, whole, live, plain
+    _tile_unions_fwd[(tiles, hkv)](
+        sparse_bt,
+        sparse_ctx,
+        union,
+        count,
+        row_pages,
+        whole,
+        live,
+        plain,
+        n,
+        width,
+        num_pages,
+        *sparse_bt.stride(),
+        *sparse_ctx.stride(),
+        T=tile_rows,
+        W_PAD=next_power_of_2(width),
+        PAGE=PAGE_SIZE,
+        num_warps=8,
+    )
+    return union, count, row_pages, whole, live, plain
 
 
 def neighbour_share(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor) -> torch.Tensor:
@@ -107,9 +248,9 @@ def neighbour_share(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor) -> torch.
 def _tile_step(
     q,  # [T * GP, D_PAD] the tile's query vectors, row-major over (row, head)
     cache,  # (k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr), as in kernel._attend_step
-    union,  # (the tile's union pages, their count)
+    union,  # (the tile's union pages, their count, whole-page counts [U, T], live tokens, plain flags)
     start,
-    slots,  # (bt_tile, full_slot, part_slot) [T, W_PAD]: page ids, whole-page and tail-token counts per slot
+    tail,  # (page, tokens) [T] each: the page a row's tail ends in mid-page (-1: none), and its tokens there
     qk_scale,
     state,  # (m_i, l_i, acc), as in kernel._attend_step
     T: tl.constexpr,
@@ -119,34 +260,46 @@ def _tile_step(
     PAGES: tl.constexpr,
     PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PLAIN_STEPS: tl.constexpr,
 ):
     """One online-softmax step of the whole tile over union pages ``start .. start + PAGES - 1``."""
     BLOCK_N: tl.constexpr = PAGES * PAGE
     k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr = cache
-    union_row, count = union
-    bt_tile, full_slot, part_slot = slots
+    union_row, count, whole_tile, live_row, plain_row = union
+    tail_page, tail_len = tail
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     offs_p = tl.arange(0, PAGES)
-    upage = tl.load(union_row + start + offs_p, mask=start + offs_p < count, other=-1)  # [PAGES]
-    # per (row, union page): whole occurrences and tokens of the partial last page
-    hit = bt_tile[:, :, None] == upage[None, None, :]  # [T, W_PAD, PAGES]
-    full = tl.sum(tl.where(hit, full_slot[:, :, None], 0), 1)  # [T, PAGES]
-    part = tl.sum(tl.where(hit, part_slot[:, :, None], 0), 1)  # [T, PAGES]
-    r = tl.arange(0, PAGE)
-    w3 = full[:, :, None] + (r[None, None, :] < part[:, :, None]).to(tl.int32)  # [T, PAGES, PAGE]
-    weight = tl.reshape(tl.broadcast_to(w3[:, None, :, :], [T, GP, PAGES, PAGE]), [T * GP, BLOCK_N])
-    tok_live = tl.reshape(tl.max(w3, 0), [BLOCK_N]) > 0  # some row of the tile attends the token
+    p_ok = start + offs_p < count
+    # every row attends every token of the step once (pages the tile shares whole): no weights
+    plain = tl.min(tl.load(plain_row + start + offs_p, mask=p_ok, other=0), 0) == 1
+    plain = plain & PLAIN_STEPS
 
     tok = tl.arange(0, BLOCK_N)
-    page = tl.load(union_row + start + tok // PAGE, mask=start + tok // PAGE < count, other=-1).to(tl.int64)
-    ok = (page >= 0) & (page < num_pages) & tok_live  # rows nobody attends (e.g. past a tail) are never read
+    at = start + tok // PAGE
+    page = tl.load(union_row + at, mask=at < count, other=-1).to(tl.int64)
+    live = tl.load(live_row + at, mask=at < count, other=0)  # tokens of the page some row reads
+    ok = (page >= 0) & (page < num_pages) & (tok % PAGE < live)  # tokens nobody attends are never read
     row = (tok % PAGE).to(tl.int64)
     kv_mask = ok[:, None] & d_ok[None, :]
     k = tl.load(k_head + (page * stride_kp + row * stride_kr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N]
-    live = (weight > 0) & ok[None, :]
-    scores = tl.where(live, scores + tl.log2(tl.maximum(weight, 1).to(tl.float32)), float("-inf"))
+    if not plain:
+        # per (row, union page): whole occurrences (pre-pass), and the tokens of a tail ending mid-page
+        offs_t = tl.arange(0, T)
+        upage = tl.load(union_row + start + offs_p, mask=p_ok, other=-1)  # [PAGES]
+        full = tl.load(
+            whole_tile + (start + offs_p)[None, :] * T + offs_t[:, None],
+            mask=(offs_t[:, None] < T) & p_ok[None, :],
+            other=0,
+        )  # [T, PAGES]
+        part = tl.where(upage[None, :] == tail_page[:, None], tail_len[:, None], 0)  # [T, PAGES]
+        r = tl.arange(0, PAGE)
+        w3 = full[:, :, None] + (r[None, None, :] < part[:, :, None]).to(tl.int32)  # [T, PAGES, PAGE]
+        # a token attended w times enters with weight w (score + log2 w); w = 0 masks it
+        lw3 = tl.where(w3 > 0, tl.log2(tl.maximum(w3, 1).to(tl.float32)), float("-inf"))
+        lw = tl.reshape(tl.broadcast_to(lw3[:, None, :, :], [T, GP, PAGES, PAGE]), [T * GP, BLOCK_N])
+        scores = tl.where(lw > float("-inf"), scores + lw, float("-inf"))
     m_i, l_i, acc = state
     p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
     v = tl.load(v_head + (page * stride_vp + row * stride_vr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -178,9 +331,10 @@ def _walk_union(
     table,  # (bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width)
     outs,  # (o_ptr, stride_on, stride_oh, lse_ptr, stride_ln, stride_lh)
     tile,  # (KV head h, first row row0, n_rows, group, the tile's union pages, their count)
+    page_use,  # the tile's (whole [U, T], live [U], plain [U]) of tile_unions
+    PLAIN_STEPS: tl.constexpr,
     T: tl.constexpr,
     GP: tl.constexpr,
-    W_PAD: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     PAGES: tl.constexpr,
@@ -193,7 +347,7 @@ def _walk_union(
     q_ptr, stride_qn, stride_qh, stride_qd, qk_scale = query
     bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width = table
     h, row0, n_rows, group, union_row, count = tile
-    union = (union_row, count)
+    union = (union_row, count) + page_use
     M: tl.constexpr = T * GP
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
@@ -208,22 +362,20 @@ def _walk_union(
         mask=m_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    # each row's tail page, when its tail ends mid-page (the pre-pass counts only whole pages)
     offs_t = tl.arange(0, T)
     n_t = row0 + offs_t
     t_ok = n_t < n_rows
     ctx_t = tl.load(ctx_ptr + h * stride_ch + n_t * stride_cn, mask=t_ok, other=0).to(tl.int32)
     ctx_t = tl.minimum(tl.maximum(ctx_t, 0), width * PAGE)
-    offs_w = tl.arange(0, W_PAD)
-    used = (offs_w[None, :] * PAGE < ctx_t[:, None]) & (offs_w[None, :] < width)
-    bt_tile = tl.load(
-        bt_ptr + h.to(tl.int64) * stride_bh + n_t.to(tl.int64)[:, None] * stride_bn + offs_w[None, :] * stride_bw,
-        mask=used,
+    tail_len = ctx_t % PAGE
+    has_tail = t_ok & (tail_len > 0)
+    tail_page = tl.load(
+        bt_ptr + h.to(tl.int64) * stride_bh + n_t.to(tl.int64) * stride_bn + (ctx_t // PAGE) * stride_bw,
+        mask=has_tail,
         other=-1,
     ).to(tl.int32)
-    bt_tile = tl.where(used, bt_tile, -1)
-    full_slot = ((offs_w[None, :] + 1) * PAGE <= ctx_t[:, None]).to(tl.int32)  # [T, W_PAD]
-    part_slot = tl.where(used & (full_slot == 0), ctx_t[:, None] - offs_w[None, :] * PAGE, 0)
-    slots = (bt_tile, full_slot, part_slot)
+    tail = (tl.where(has_tail, tail_page, -1), tail_len)
 
     state = (
         tl.full([M], float("-inf"), dtype=tl.float32),
@@ -234,13 +386,13 @@ def _walk_union(
         start = 0
         while start < count:
             state = _tile_step(
-                q, cache, union, start, slots, qk_scale, state, T, GP, D, D_PAD, PAGES, PAGE, DOT_PRECISION
+                q, cache, union, start, tail, qk_scale, state, T, GP, D, D_PAD, PAGES, PAGE, DOT_PRECISION, PLAIN_STEPS
             )
             start += PAGES
     else:
         for start in range(0, count, PAGES):
             state = _tile_step(
-                q, cache, union, start, slots, qk_scale, state, T, GP, D, D_PAD, PAGES, PAGE, DOT_PRECISION
+                q, cache, union, start, tail, qk_scale, state, T, GP, D, D_PAD, PAGES, PAGE, DOT_PRECISION, PLAIN_STEPS
             )
     _store_rows(outs, n_m, heads, m_ok, state, D, D_PAD, WRITE_LSE)
 
@@ -299,6 +451,9 @@ def _tiled_fwd(
     union_ptr,
     count_ptr,
     rowpages_ptr,
+    whole_ptr,
+    live_ptr,
+    plain_ptr,
     o_ptr,
     lse_ptr,
     n_rows,
@@ -321,7 +476,9 @@ def _tiled_fwd(
     stride_ch,
     stride_cn,
     stride_uh,
-    stride_ut,  # union strides (head, tile); entries contiguous
+    stride_ut,  # union (and live, plain) strides (head, tile); entries contiguous
+    stride_wh,
+    stride_wt,  # whole-page count strides (head, tile); [U, T] contiguous
     stride_on,
     stride_oh,
     stride_ln,
@@ -330,13 +487,13 @@ def _tiled_fwd(
     T: tl.constexpr,  # rows per tile
     GP: tl.constexpr,  # group padded to a power of two (T * GP >= 16)
     GP16: tl.constexpr,  # max(16, GP): tl.dot's M in row mode
-    W_PAD: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     PAGES: tl.constexpr,  # union pages per tile step
     ROW_BLOCK_N: tl.constexpr,  # tokens per step in row mode
     PAGE: tl.constexpr,
     MODE: tl.constexpr,  # 0: per tile by the rule, 1: always the union walk, 2: always row by row
+    PLAIN_STEPS: tl.constexpr,  # skip the weights in steps whose pages every row reads whole, once
     WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -364,8 +521,29 @@ def _tiled_fwd(
     union_row = union_ptr + h.to(tl.int64) * stride_uh + tile.to(tl.int64) * stride_ut
     rows = (h, row0, n_rows, group, union_row, count)
     if walk_union:
+        at_tile = h.to(tl.int64) * stride_uh + tile.to(tl.int64) * stride_ut
+        page_use = (
+            whole_ptr + h.to(tl.int64) * stride_wh + tile.to(tl.int64) * stride_wt,
+            live_ptr + at_tile,
+            plain_ptr + at_tile,
+        )
         _walk_union(
-            query, cache, table, outs, rows, T, GP, W_PAD, D, D_PAD, PAGES, PAGE, WRITE_LSE, DOT_PRECISION, INTERPRETED
+            query,
+            cache,
+            table,
+            outs,
+            rows,
+            page_use,
+            PLAIN_STEPS,
+            T,
+            GP,
+            D,
+            D_PAD,
+            PAGES,
+            PAGE,
+            WRITE_LSE,
+            DOT_PRECISION,
+            INTERPRETED,
         )
     else:
         _walk_rows(
@@ -374,25 +552,19 @@ def _tiled_fwd(
 
 
 def tiled_config(n_rows: int, hq: int, hkv: int, d: int, width: int, device: torch.device) -> dict:
-    """Host heuristic for the tile: about 64 query vectors (``T * G``) per program.
+    """Host heuristic for the tile: ``QUERY_VECTORS`` query vectors (``T * G``) per program.
 
-    ``T = 64 / G_pad`` rows (4 for the model's group of 16), fewer where the rows'
-    page lists are wide enough that the ``[T, W, PAGES]`` comparison would not fit
-    in registers, never fewer than ``tl.dot``'s 16 query vectors; ``PAGES = 4``
-    union pages (64 tokens) per step; 4 warps. Measured on an H200 at the model's
-    shapes (4096-token chunk at 32K, top-k 16, bf16), tiles of 4 rows with 4 warps
-    beat 8 rows with 8 warps on every selection workload tried (2.24 against
-    2.67 ms when each 128-query tile shares its selection).
+    ``T = QUERY_VECTORS / G_pad`` rows (4 for the model's group of 16), never fewer than
+    ``tl.dot``'s 16 query vectors; ``PAGES`` union pages per step; ``WARPS`` warps. Measured
+    on an H200 at the model's shapes (4096-token chunk at 32K, top-k 16, bf16, graph replay),
+    64 query vectors, 4 pages (64 tokens) per step and 4 warps beat 128 / 256 query vectors,
+    2 / 8 / 16 pages, 8 warps and 3 stages on the tile-shared and the synthetic selections
+    (0.96 and 1.65 ms, against 1.08 and 2.19 ms for the best 128-vector setting).
     """
     group = hq // hkv
     gp = next_power_of_2(group)
-    w_pad = max(2, next_power_of_2(max(width, 1)))
-    pages = 4
-    t = max(1, 64 // gp)
-    while t > 1 and t * w_pad * pages > 8192 and t * gp > 16:
-        t //= 2
-    t = max(t, next_power_of_2(math.ceil(16 / gp)))  # tl.dot needs M >= 16
-    return {"T": t, "PAGES": pages, "num_warps": 4, "num_stages": 2}
+    t = max(1, TILE_QUERY_VECTORS // gp, next_power_of_2(math.ceil(16 / gp)))  # tl.dot needs M >= 16
+    return {"T": t, "PAGES": TILE_PAGES, "num_warps": TILE_WARPS, "num_stages": TILE_STAGES}
 
 
 def tiled_attention_kernel(
@@ -411,6 +583,8 @@ def tiled_attention_kernel(
     pages_per_step: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    plain_steps: bool = True,
+    prepass: str | None = None,
 ) -> None:
     """Launch the pre-pass and the tiled kernel. Arguments are already validated.
 
@@ -418,6 +592,11 @@ def tiled_attention_kernel(
         mode: ``"auto"`` (each tile by the rule ``union <= row_mode_factor * row_pages``),
             ``"union"`` (every tile walks its union) or ``"rows"`` (every tile walks row by row).
         tile_rows, pages_per_step, num_warps, num_stages: override :func:`tiled_config` (tests, tuning).
+        plain_steps: skip the per-token weights in steps whose pages every row of the tile reads whole,
+            once (the result is the same; tests and tuning turn it off).
+        prepass: ``"kernel"`` (:func:`tile_unions_kernel`) or ``"torch"`` (:func:`tile_unions`): the same
+            tables. Default: the kernel, compiled; PyTorch under the interpreter (a named fallback,
+            ``tile-prepass-interpreter``, as its sort is slow there).
     """
     n_rows, hq, d = q.shape
     hkv, _, width = sparse_bt.shape
@@ -429,7 +608,13 @@ def tiled_attention_kernel(
     if t * gp < 16:
         raise ValueError(f"tile_rows: {t} rows x group {gp} is below 16 query vectors (tl.dot's minimum)")
     num_pages = readable_pages(k_cache, v_cache)
-    union, count, row_pages = tile_unions(sparse_bt, sparse_ctx, num_pages, t)
+    if prepass is None:
+        prepass = "kernel"
+        if backend.INTERPRETER:
+            prepass = "torch"
+            backend.fallback_taken("sparse_attention", "tile-prepass-interpreter")
+    prepass_fn = {"kernel": tile_unions_kernel, "torch": tile_unions}[prepass]
+    union, count, row_pages, whole, live, plain = prepass_fn(sparse_bt, sparse_ctx, num_pages, t)
     tiles = union.shape[1]
     d_pad = max(16, next_power_of_2(d))
     row_block_n = 128 if d_pad <= 128 else 64
@@ -445,6 +630,9 @@ def tiled_attention_kernel(
         union,
         count,
         row_pages,
+        whole,
+        live,
+        plain,
         out,
         lse_arg,
         n_rows,
@@ -459,6 +647,8 @@ def tiled_attention_kernel(
         *sparse_ctx.stride(),
         union.stride(0),
         union.stride(1),
+        whole.stride(0),
+        whole.stride(1),
         out.stride(0),
         out.stride(1),
         hq if lse is None else lse.stride(0),
@@ -467,13 +657,13 @@ def tiled_attention_kernel(
         T=t,
         GP=gp,
         GP16=max(16, gp),
-        W_PAD=max(2, next_power_of_2(max(width, 1))),
         D=d,
         D_PAD=d_pad,
         PAGES=pages,
         ROW_BLOCK_N=row_block_n,
         PAGE=PAGE_SIZE,
         MODE={"auto": 0, "union": 1, "rows": 2}[mode],
+        PLAIN_STEPS=plain_steps,
         WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=backend.INTERPRETER,
@@ -482,4 +672,11 @@ def tiled_attention_kernel(
     )
 
 
-__all__ = ["ROW_MODE_FACTOR", "neighbour_share", "tile_unions", "tiled_attention_kernel", "tiled_config"]
+__all__ = [
+    "ROW_MODE_FACTOR",
+    "neighbour_share",
+    "tile_unions",
+    "tile_unions_kernel",
+    "tiled_attention_kernel",
+    "tiled_config",
+]
