@@ -198,19 +198,15 @@ def tile_unions_kernel(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pa
     whole = torch.zeros(hkv, tiles, u, tile_rows, dtype=torch.int32, device=dev)
     live = torch.zeros(hkv, tiles, u, dtype=torch.int32, device=dev)
     plain = torch.zeros(hkv, tiles, u, dtype=torch.int32, device=dev)
+    tables = (union, count, row_pages, whole, live, plain)
     if width == 0 or n == 0:
         count.zero_()
         row_pages.zero_()
-        return union, count, row_pages, whole, live, plain
+        return tables
     _tile_unions_fwd[(tiles, hkv)](
         sparse_bt,
         sparse_ctx,
-        union,
-        count,
-        row_pages,
-        whole,
-        live,
-        plain,
+        *tables,
         n,
         width,
         num_pages,
@@ -221,7 +217,7 @@ def tile_unions_kernel(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pa
         PAGE=PAGE_SIZE,
         num_warps=8,
     )
-    return union, count, row_pages, whole, live, plain
+    return tables
 
 
 def neighbour_share(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor) -> torch.Tensor:
@@ -614,7 +610,8 @@ def tiled_attention_kernel(
             prepass = "torch"
             backend.fallback_taken("sparse_attention", "tile-prepass-interpreter")
     prepass_fn = {"kernel": tile_unions_kernel, "torch": tile_unions}[prepass]
-    union, count, row_pages, whole, live, plain = prepass_fn(sparse_bt, sparse_ctx, num_pages, t)
+    tables = prepass_fn(sparse_bt, sparse_ctx, num_pages, t)  # union, count, row_pages, whole, live, plain
+    union, whole = tables[0], tables[3]
     tiles = union.shape[1]
     d_pad = max(16, next_power_of_2(d))
     row_block_n = 128 if d_pad <= 128 else 64
@@ -627,12 +624,7 @@ def tiled_attention_kernel(
         v_cache,
         sparse_bt,
         sparse_ctx,
-        union,
-        count,
-        row_pages,
-        whole,
-        live,
-        plain,
+        *tables,
         out,
         lse_arg,
         n_rows,
