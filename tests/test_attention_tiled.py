@@ -237,6 +237,8 @@ def test_tile_unions_kernel_matches_torch(device, data):
     g = torch.Generator().manual_seed(seed)
     bt = torch.randint(-1, pages + 2, (hkv, n, width), generator=g, dtype=torch.int32)
     ctx = torch.randint(-2, width * 16 + 3, (hkv, n), generator=g, dtype=torch.int32)
+    if data.draw(st.booleans()):  # int64 lengths beyond int32 clamp, never wrap
+        ctx = ctx.long() + (ctx > width * 8).long() * 2**32
     bt, ctx = bt.to(device), ctx.to(device)
     want = tiled.tile_unions(bt, ctx, pages, tile_rows)
     got = tiled.tile_unions_kernel(bt, ctx, pages, tile_rows)

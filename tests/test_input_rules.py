@@ -77,14 +77,23 @@ def _attention_inputs(device, ctx_dtype=torch.int64):
     return q, k, v, bt
 
 
+@pytest.mark.parametrize("algorithm", ["rows", "tiled"])
 @pytest.mark.parametrize("ctx", [2**31, 2**32 + 5, 2**40])
-def test_int64_sparse_ctx_is_never_truncated(ctx, device):
+def test_int64_sparse_ctx_is_never_truncated(ctx, algorithm, device):
     q, k, v, bt = _attention_inputs(device)
-    full = mm3lab.sparse_attention(q, k, v, bt, torch.tensor([[128]], device=device))
+    full = mm3lab.sparse_attention(q, k, v, bt, torch.tensor([[128]], device=device), algorithm=algorithm)
     with pytest.raises(ValueError, match="sparse_ctx"):
-        mm3lab.sparse_attention(q, k, v, bt, torch.tensor([[ctx]], device=device))
+        mm3lab.sparse_attention(q, k, v, bt, torch.tensor([[ctx]], device=device), algorithm=algorithm)
     with mm3lab.validation(False):  # no check: clamped to the row's pages, never truncated to 5 or 0
-        got = mm3lab.sparse_attention(q, k, v, bt, torch.tensor([[ctx]], device=device))
+        got = mm3lab.sparse_attention(q, k, v, bt, torch.tensor([[ctx]], device=device), algorithm=algorithm)
+        if algorithm == "tiled":
+            from mm3lab.attention import tiled
+
+            for mode in ("union", "rows"):
+                out = torch.empty_like(q)
+                sctx = torch.tensor([[ctx]], device=device)
+                tiled.tiled_attention_kernel(q, k, v, bt, sctx, 16**-0.5, out, None, mode=mode, prepass="kernel")
+                torch.testing.assert_close(out, full)
     torch.testing.assert_close(got, full)
 
 

@@ -151,8 +151,8 @@ def _tile_unions_fwd(
     w = o % W_PAD
     n = tile * T + t
     row_ok = n < n_rows
-    ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn, mask=row_ok, other=0).to(tl.int32)
-    ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE)
+    ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn, mask=row_ok, other=0).to(tl.int64)
+    ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE).to(tl.int32)  # int64 ctx: clamp, never truncate
     tokens = tl.minimum(tl.maximum(ctx - w * PAGE, 0), PAGE)  # tokens of the entry the row reads
     used = row_ok & (w < width) & (tokens > 0)
     page = tl.load(
@@ -362,8 +362,8 @@ def _walk_union(
     offs_t = tl.arange(0, T)
     n_t = row0 + offs_t
     t_ok = n_t < n_rows
-    ctx_t = tl.load(ctx_ptr + h * stride_ch + n_t * stride_cn, mask=t_ok, other=0).to(tl.int32)
-    ctx_t = tl.minimum(tl.maximum(ctx_t, 0), width * PAGE)
+    ctx_t = tl.load(ctx_ptr + h * stride_ch + n_t * stride_cn, mask=t_ok, other=0).to(tl.int64)
+    ctx_t = tl.minimum(tl.maximum(ctx_t, 0), width * PAGE).to(tl.int32)  # int64 ctx: clamp, never truncate
     tail_len = ctx_t % PAGE
     has_tail = t_ok & (tail_len > 0)
     tail_page = tl.load(
@@ -428,8 +428,8 @@ def _walk_rows(
                 mask=g_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
-            ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn).to(tl.int32)
-            ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE)
+            ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn).to(tl.int64)
+            ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE).to(tl.int32)  # int64 ctx: clamp, never truncate
             bt_row = (bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn, stride_bw)
             state = _attend_row(
                 q, cache, no_scales, bt_row, 0, ctx, qk_scale, D, ROW_BLOCK_N, PAGE, DOT_PRECISION, False, INTERPRETED
