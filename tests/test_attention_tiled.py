@@ -184,6 +184,18 @@ def test_raw_page_lists_with_repeats(device, tile_mode):
     assert_lse_close(lse, lse_e, 1e-4, 2e-5)
 
 
+def test_tile_config_bounds_the_prepass_sort():
+    """The model's group of 16 takes 4-row tiles; very wide page lists take fewer rows so that the
+    pre-pass sorts at most PREPASS_MAX_ENTRIES entries per tile, never fewer than 16 query vectors."""
+    cfg = tiled.tiled_config(4096, 64, 4, 128, 128, "cpu")
+    assert cfg["T"] * 16 == tiled.TILE_QUERY_VECTORS and cfg["PAGES"] == tiled.TILE_PAGES
+    for group, width in [(1, 128), (1, 512), (2, 1024), (16, 4096), (1, 4096)]:
+        t = tiled.tiled_config(4096, group * 4, 4, 128, width, "cpu")["T"]
+        w_pad = 1 << (width - 1).bit_length()
+        assert t * group >= 16
+        assert t * w_pad <= tiled.PREPASS_MAX_ENTRIES or t * group == 16
+
+
 def test_dispatch_rule():
     from mm3lab.attention import TILED_MIN_ROWS, TILED_MIN_SHARE
 

@@ -52,6 +52,10 @@ TILE_QUERY_VECTORS, TILE_PAGES, TILE_WARPS, TILE_STAGES = 64, 4, 4, 2
 """The tile's default shape: query vectors per program, union pages per step, warps, pipeline stages
 (see :func:`tiled_config`)."""
 
+PREPASS_MAX_ENTRIES = 8192
+"""The tile heuristic keeps the pre-pass's per-tile sort at most this long where the group allows
+(the model's 4-row tiles of 128-page lists sort 512 entries)."""
+
 ROW_MODE_FACTOR = 0.5
 """A tile walks its rows one by one when its union has more than this fraction of its rows' pages."""
 
@@ -550,8 +554,10 @@ def _tiled_fwd(
 def tiled_config(n_rows: int, hq: int, hkv: int, d: int, width: int, device: torch.device) -> dict:
     """Host heuristic for the tile: ``QUERY_VECTORS`` query vectors (``T * G``) per program.
 
-    ``T = QUERY_VECTORS / G_pad`` rows (4 for the model's group of 16), never fewer than
-    ``tl.dot``'s 16 query vectors; ``PAGES`` union pages per step; ``WARPS`` warps. Measured
+    ``T = QUERY_VECTORS / G_pad`` rows (4 for the model's group of 16), halved while the
+    pre-pass would sort more than ``PREPASS_MAX_ENTRIES`` entries per tile (``T * W_pad``: rows of
+    very wide page lists), never fewer than ``tl.dot``'s 16 query vectors; ``PAGES`` union
+    pages per step; ``WARPS`` warps. Measured
     on an H200 at the model's shapes (4096-token chunk at 32K, top-k 16, bf16, graph replay),
     64 query vectors, 4 pages (64 tokens) per step and 4 warps beat 128 / 256 query vectors,
     2 / 8 / 16 pages, 8 warps and 3 stages on the tile-shared and the synthetic selections
@@ -559,7 +565,11 @@ def tiled_config(n_rows: int, hq: int, hkv: int, d: int, width: int, device: tor
     """
     group = hq // hkv
     gp = next_power_of_2(group)
-    t = max(1, TILE_QUERY_VECTORS // gp, next_power_of_2(math.ceil(16 / gp)))  # tl.dot needs M >= 16
+    t = max(1, TILE_QUERY_VECTORS // gp)
+    w_pad = next_power_of_2(max(width, 1))
+    while t > 1 and t * w_pad > PREPASS_MAX_ENTRIES:
+        t //= 2
+    t = max(t, next_power_of_2(math.ceil(16 / gp)))  # tl.dot needs M >= 16
     return {"T": t, "PAGES": TILE_PAGES, "num_warps": TILE_WARPS, "num_stages": TILE_STAGES}
 
 
