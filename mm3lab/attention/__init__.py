@@ -17,10 +17,13 @@ Which kernel runs (``algorithm=None``), a rule measured on an H200 at the model'
 shapes (64 query / 4 KV heads, head dim 128, top-k 16, bf16):
 
 * fewer than :data:`TILED_MIN_ROWS` rows (decode, speculative decode up to
-  batch 64 x 8 draft tokens): the per-row kernel. The tiled kernel was slower
-  at every decode and speculative-decode shape measured (batch 1 / 16 / 64, 1 to
-  8 query rows per request, 32K context: 0.5 ms and up against 0.08 to 0.5 ms),
-  its per-call pre-pass alone costs more than a decode step;
+  batch 64 x 8 draft tokens): the per-row kernel. At 128K context (``spec_decode``
+  suite, graph) the tiled kernel wins only where a request's draft rows share
+  their selection and there are enough of them (batch 64 with 4 or 8 rows per
+  request: 2.3x and 2.7x; batch 16 with 8: 1.6x); with 2 rows per request, or
+  independent selections, it loses (up to 5x at batch 16), and telling the cases
+  apart needs the overlap read back to the host, which costs a decode step more
+  than it saves;
 * from :data:`TILED_MIN_ROWS` rows up (prefill chunks): the tiled kernel when
   consecutive rows share at least :data:`TILED_MIN_SHARE` of their blocks
   (:func:`tiled.neighbour_share`), else the per-row kernel. Reading that share
