@@ -58,6 +58,13 @@ def _online_softmax(scores, m_i, l_i):
 
 
 @triton.jit
+def _clamp_ctx(ctx, width, PAGE: tl.constexpr):
+    """A row's attended tokens as int32, clamped to ``0 .. width * PAGE`` in int64 first: an int64
+    ``sparse_ctx`` past int32 is clamped, never truncated (SPEC 7)."""
+    return tl.minimum(tl.maximum(ctx.to(tl.int64), 0), width * PAGE).to(tl.int32)
+
+
+@triton.jit
 def _finish(state):
     """The normalized output and the natural-log LSE of a state (zeros and ``-inf`` where nothing was seen)."""
     m_i, l_i, acc = state
@@ -216,8 +223,7 @@ def _sparse_attention_fwd(
     h = tl.program_id(1)
     s = tl.program_id(2)
 
-    ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn).to(tl.int64)  # int64 ctx: clamp, never truncate
-    ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE).to(tl.int32)
+    ctx = _clamp_ctx(tl.load(ctx_ptr + h * stride_ch + n * stride_cn), width, PAGE)
     tok_lo = s * pages_per_split * PAGE
     tok_hi = tl.minimum(tok_lo + pages_per_split * PAGE, ctx)
 

@@ -46,7 +46,7 @@ from .. import backend
 from .._grid import next_power_of_2
 from ..constants import PAGE_SIZE
 from .checks import readable_pages
-from .kernel import LOG2E, _attend_row, _finish, _online_softmax
+from .kernel import LOG2E, _attend_row, _clamp_ctx, _finish, _online_softmax
 
 TILE_QUERY_VECTORS, TILE_PAGES, TILE_WARPS, TILE_STAGES = 64, 4, 4, 2
 """The tile's default shape: query vectors per program, union pages per step, warps, pipeline stages
@@ -155,8 +155,7 @@ def _tile_unions_fwd(
     w = o % W_PAD
     n = tile * T + t
     row_ok = n < n_rows
-    ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn, mask=row_ok, other=0).to(tl.int64)
-    ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE).to(tl.int32)  # int64 ctx: clamp, never truncate
+    ctx = _clamp_ctx(tl.load(ctx_ptr + h * stride_ch + n * stride_cn, mask=row_ok, other=0), width, PAGE)
     tokens = tl.minimum(tl.maximum(ctx - w * PAGE, 0), PAGE)  # tokens of the entry the row reads
     used = row_ok & (w < width) & (tokens > 0)
     page = tl.load(
@@ -366,8 +365,7 @@ def _walk_union(
     offs_t = tl.arange(0, T)
     n_t = row0 + offs_t
     t_ok = n_t < n_rows
-    ctx_t = tl.load(ctx_ptr + h * stride_ch + n_t * stride_cn, mask=t_ok, other=0).to(tl.int64)
-    ctx_t = tl.minimum(tl.maximum(ctx_t, 0), width * PAGE).to(tl.int32)  # int64 ctx: clamp, never truncate
+    ctx_t = _clamp_ctx(tl.load(ctx_ptr + h * stride_ch + n_t * stride_cn, mask=t_ok, other=0), width, PAGE)
     tail_len = ctx_t % PAGE
     has_tail = t_ok & (tail_len > 0)
     tail_page = tl.load(
@@ -432,8 +430,7 @@ def _walk_rows(
                 mask=g_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
-            ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn).to(tl.int64)
-            ctx = tl.minimum(tl.maximum(ctx, 0), width * PAGE).to(tl.int32)  # int64 ctx: clamp, never truncate
+            ctx = _clamp_ctx(tl.load(ctx_ptr + h * stride_ch + n * stride_cn), width, PAGE)
             bt_row = (bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn, stride_bw)
             state = _attend_row(
                 q, cache, no_scales, bt_row, 0, ctx, qk_scale, D, ROW_BLOCK_N, PAGE, DOT_PRECISION, False, INTERPRETED
