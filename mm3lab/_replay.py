@@ -30,6 +30,7 @@ the GPU). Set :data:`ENABLED` to ``False`` to turn recording off (benchmarks com
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -47,7 +48,13 @@ _local = threading.local()
 
 def supported() -> bool:
     """Recording applies: enabled, compiled kernels on a GPU, a verified Triton."""
-    if not ENABLED or backend.INTERPRETER or not torch.cuda.is_available():
+    return ENABLED and _platform_supported()
+
+
+@functools.cache
+def _platform_supported() -> bool:
+    """Compiled kernels on a GPU and a verified Triton (fixed for the process; asked on every launch)."""
+    if backend.INTERPRETER or not torch.cuda.is_available():
         return False
     import triton
 

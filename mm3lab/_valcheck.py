@@ -285,21 +285,21 @@ def _tile_shape(columns: int) -> tuple[int, int]:
 
 def _as_rows(t: torch.Tensor):
     """``(t, n1, s0, s1, s2, R, C)``: row ``r`` of ``t`` at ``(r // n1) * s0 + (r % n1) * s1``, column stride ``s2``."""
-    if t.dim() == 0 or t.dim() > 3:
-        t = t.reshape(-1)
-    if t.dim() == 1:
-        return t, max(t.shape[0], 1), 0, t.stride(0), 0, t.shape[0], 1
-    if t.dim() == 2:
-        return t, max(t.shape[0], 1), 0, t.stride(0), t.stride(1), t.shape[0], t.shape[1]
-    h, n, c = t.shape
-    return t, max(n, 1), t.stride(0), t.stride(1), t.stride(2), h * n, c
+    nd = t.dim()
+    if nd == 0 or nd > 3:
+        t, nd = t.reshape(-1), 1
+    shape, st = t.shape, t.stride()
+    if nd == 1:
+        return t, max(shape[0], 1), 0, st[0], 0, shape[0], 1
+    if nd == 2:
+        return t, max(shape[0], 1), 0, st[0], st[1], shape[0], shape[1]
+    h, n, c = shape
+    return t, max(n, 1), st[0], st[1], st[2], h * n, c
 
 
 def _aux_strides(seg: Segment) -> tuple[int, int]:
-    aux = seg.aux
-    if aux.dim() == 2:
-        return aux.stride(0), aux.stride(1)
-    return 0, aux.stride(0)
+    st = seg.aux.stride()
+    return (st[0], st[1]) if len(st) == 2 else (0, st[0])
 
 
 def _kernel_args(seg: Segment, flag: int, dummy: torch.Tensor) -> tuple[tuple, tuple, int, bool]:
@@ -307,31 +307,34 @@ def _kernel_args(seg: Segment, flag: int, dummy: torch.Tensor) -> tuple[tuple, t
     :data:`_SEG_INTS` (``R``: the rows the slot checks)."""
     lo = I64_MIN if seg.lo is None else seg.lo
     hi = I64_MAX if seg.hi is None else seg.hi
-    if seg.kind in ("gather", "gather_last"):
-        bt = seg.t
+    kind = seg.kind
+    if kind == "gather" or kind == "gather_last":
+        bt, aux, pos = seg.t, seg.aux, seg.pos
         b, m = bt.shape
+        bs = bt.stride()
         # n1 carries B here (the live test is req < n1)
-        tensors = (bt, seg.aux, seg.pos)
-        ints = (b, bt.stride(0), 0, bt.stride(1), seg.aux.shape[0], m, seg.aux.stride(0), 0, seg.pos.stride(0))
+        tensors = (bt, aux, pos)
+        ints = (b, bs[0], 0, bs[1], aux.shape[0], m, aux.stride(0), 0, pos.stride(0))
     else:
         t, n1, s0, s1, s2, rows, c = _as_rows(seg.t)
-        if seg.kind == "len":
+        if kind == "len":
             a0, a1 = _aux_strides(seg)
             aux = seg.aux
-        elif seg.kind == "live":
+        elif kind == "live":
             a0, a1, aux = seg.aux.stride(0), 0, seg.aux
         else:
             a0, a1, aux = 0, 0, dummy
         tensors, ints = (t, aux, dummy), (n1, s0, s1, s2, rows, c, a0, a1, 0)
     ints += (max(seg.unit, 1), lo, hi, max(seg.modulus, 1), seg.mod_limit, flag)
-    return tensors, ints, _MODE[seg.kind], seg.modulus > 0
+    return tensors, ints, _MODE[kind], seg.modulus > 0
 
 
 FAST_LAUNCH = True
 """Launch the compiled check kernel through its launcher once Triton has compiled it for the same
 constexprs and dtypes (see :func:`_run_kernel`); ``False``: always Triton's own launch path."""
 
-_compiled: dict = {}  # (device index, modes, has_mod, dtypes) -> Triton's compiled kernel
+_compiled: dict = {}  # (device index, modes, has_mod, BLOCK_C, dtypes) -> Triton's compiled kernel
+_UNUSED_INTS = (1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0)  # an unused slot's ints (as _SEG_INTS)
 
 
 def _run_kernel(segments: list[Segment], flags_buf: torch.Tensor) -> None:
@@ -343,18 +346,28 @@ def _run_kernel(segments: list[Segment], flags_buf: torch.Tensor) -> None:
     the pointers unspecialized on alignment), so after Triton's first launch of a combination its
     compiled kernel is launched directly (:func:`mm3lab._replay.launch_compiled`).
     """
-    dummy = flags_buf
-    unused = ((dummy, dummy, dummy), (1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0), 0, False)
-    slots = [_kernel_args(seg, 2 * i, dummy) for i, seg in enumerate(segments)]
-    slots += [unused] * (MAX_SEGMENTS - len(segments))
-    tensors, ints, modes, has_mod = zip(*slots, strict=True)
-    rows = max(1, *(slot_ints[4] for slot_ints in ints))
-    block_r, block_c = _tile_shape(max(slot_ints[5] for slot_ints, mode in zip(ints, modes, strict=True) if mode))
-    flat = [arg for slot_tensors, slot_ints in zip(tensors, ints, strict=True) for arg in (*slot_tensors, *slot_ints)]
+    flat, modes, has_mod, dtypes = [], [], [], []
+    rows, columns = 1, 0
+    for i, seg in enumerate(segments):
+        tensors, ints, mode, mod = _kernel_args(seg, 2 * i, flags_buf)
+        flat += tensors
+        flat += ints
+        modes.append(mode)
+        has_mod.append(mod)
+        dtypes += (tensors[0].dtype, tensors[1].dtype, tensors[2].dtype)
+        rows, columns = max(rows, ints[4]), max(columns, ints[5])
+    for _ in range(MAX_SEGMENTS - len(segments)):  # unused slots: the flags buffer and inert ints
+        flat += (flags_buf, flags_buf, flags_buf)
+        flat += _UNUSED_INTS
+        modes.append(0)
+        has_mod.append(False)
+    modes, has_mod = tuple(modes), tuple(has_mod)
+    block_r, block_c = _tile_shape(columns)
     grid = (cdiv(rows, block_r), 1, 1)
     fast = FAST_LAUNCH and _replay.supported() and _replay.hooks_idle()
     if fast:
-        key = (flags_buf.device.index, modes, has_mod, block_c, *(t.dtype for group in tensors for t in group))
+        # (unused slots always hold the int32 flags buffer: the used slots' dtypes decide)
+        key = (flags_buf.get_device(), modes, has_mod, block_c, *dtypes)
         kernel = _compiled.get(key)
         if kernel is not None:
             values = (flags_buf, *flat, modes, has_mod, block_r, block_c)
