@@ -125,6 +125,13 @@ class Recording:
     def matches(self, inputs: dict, caches) -> bool:
         return self.ok and _caches_meta(caches) == self.caches_meta and _inputs_meta(inputs) == self.inputs_meta
 
+    def release(self) -> None:
+        """Drop the recording's references to the last run's inputs (they are put in place at each replay),
+        so that a kept recording does not keep its caller's tensors alive."""
+        for launch in self.launches:
+            for pos, _ in launch.subs:
+                launch.values[pos] = None
+
     def replay(self, inputs: dict, device: torch.device) -> None:
         """The recorded launches with ``inputs`` in place (the caller checked :meth:`matches`)."""
         self.replays += 1

@@ -44,6 +44,7 @@ from ..layout import _write_checked, check_kv_views, num_cache_blocks
 from ..layout.checks import check_write_kv
 from ..layout.views import check_kv_scales
 from ..rows import decode_query_rows, rows_and_slots
+from . import recorded
 
 __all__ = ["MSAStep", "decode_query_rows", "msa_decode", "msa_prefill"]
 
@@ -227,7 +228,15 @@ def run_layer(steps, arguments: dict):
     _check_index_step(args.index_k, index_cache, k_cache, v_cache, args.topk)
     check = check_indexer_decode if decode else check_indexer_prefill
     check(args.index_q, index_cache, block_table, *selection, index_scale)
-    req, pos, slots = steps.rows_and_slots(block_table, rows)
+    # a repeated one-shot decode step replays its launches through an internal plan (mm3lab.msa.recorded)
+    recorded_step = None
+    if decode and steps is KERNEL_STEPS and recorded.applies(args):
+        recorded_step = recorded.lookup(args)
+    if recorded_step is not None:
+        req = pos = None
+        slots = recorded_step.plan.slots  # (what the inserts' checks look at: its shape and dtype)
+    else:
+        req, pos, slots = steps.rows_and_slots(block_table, rows)
     with validation(False):
         _check_inserts(
             q,
@@ -243,6 +252,8 @@ def run_layer(steps, arguments: dict):
             index_scale=index_scale,
             **kv_scales,
         )
+        if recorded_step is not None:
+            return recorded.run(recorded_step, args)
         if index_cache is not None:
             steps.insert_index_cache(args.index_k, index_cache, slots, index_scale=index_scale)
         steps.write_kv_page16(args.key, args.value, k_cache, v_cache, slots, **kv_scales)

@@ -1,0 +1,185 @@
+"""Recorded decode steps: repeated one-shot :func:`mm3lab.msa_decode` calls of one shape replay their launches.
+
+A decode loop that calls :func:`mm3lab.msa_decode` directly repeats the same step: the same
+kernels, grids and shapes, only the tensors' addresses and values change. Most of an eager
+call's host time is spent on Triton's per-launch argument binding and on allocations
+(:mod:`mm3lab._replay`), which a plan (:class:`mm3lab.MSADecodePlan`) does once. So after
+checking every argument as always, the one-shot call runs the step through an internal plan of
+its shapes when it has seen those shapes before:
+
+* the first call of a shape takes the normal path and remembers the shape;
+* the second builds a plan for it (buffers for the intermediates) and records its launches;
+* later calls replay the recorded launches with the call's tensors put in place, which is
+  valid while every tensor has the recorded strides and alignment (else the call records again).
+
+What a call returns is its own new ``out`` tensor: the plan's intermediates (slots, scores,
+top-k, sparse block table, log-sum-exp, split partials) are reused from call to call, in
+stream order (the plans are kept per thread and per CUDA stream). Neither the plans nor their
+recordings keep the caller's tensors (inputs, caches) alive. Results are bit-identical to the
+normal path (same kernels, same arguments; ``tests/test_plan_replay.py``).
+
+The path applies on a GPU with recordable launches (:func:`mm3lab._replay.supported`), outside
+CUDA-graph capture, without ``return_intermediates``, for fewer than
+:data:`mm3lab.attention.TILED_MIN_ROWS` rows (where the attention kernel is fixed), and where the
+step runs its kernels (no PyTorch fallback). :data:`ENABLED` turns it off.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+from .. import _replay
+from ..attention import TILED_MIN_ROWS
+from ..block_table import MAX_KERNEL_TOPK
+from ..fp8 import FP8_DTYPE
+
+ENABLED = True
+"""Replay repeated one-shot decode steps (where the module doc says); ``False``: always the normal path."""
+
+MAX_SHAPES = 4
+"""Shapes (with their plans) kept per thread and stream, least recently used dropped first."""
+
+_TENSORS = ("q", "key", "value", "index_q", "index_k", "block_table", "seq_lens")
+_CACHES = ("k_cache", "v_cache", "index_cache", "index_scale", "k_scale", "v_scale")
+
+_local = threading.local()
+
+
+class _Shape:
+    """One shape's state: seen once (``plan is None``), planned, or found unplannable."""
+
+    __slots__ = ("plan", "recording", "usable")
+
+    def __init__(self):
+        self.plan, self.recording, self.usable = None, None, True
+
+
+def _key(args) -> tuple:
+    """Everything a plan fixes: shapes and dtypes of every tensor, the selection, the stream."""
+    q = args.q
+    key = [
+        torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else None,
+        args.decode_query_len,
+        args.topk,
+        args.init_blocks,
+        args.local_blocks,
+        args.scale,
+    ]
+    for name in (*_TENSORS, *_CACHES):
+        t = getattr(args, name)
+        key.append(None if t is None else (t.shape, t.dtype, t.device))
+    return tuple(key)
+
+
+def _shapes() -> collections.OrderedDict:
+    shapes = getattr(_local, "shapes", None)
+    if shapes is None:
+        shapes = _local.shapes = collections.OrderedDict()
+    return shapes
+
+
+def applies(args) -> bool:
+    """Whether this call may take the recorded path (see the module doc); no device work."""
+    q = args.q
+    return (
+        ENABLED
+        and not args.return_intermediates
+        and q.is_cuda
+        and _replay.supported()
+        and q.shape[0] < TILED_MIN_ROWS
+        and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+def lookup(args):
+    """The plan of this call's shape if one is built or due (its second call), else ``None`` (normal path).
+
+    ``args``: every argument of :func:`mm3lab.msa_decode` by name, all of them checked."""
+    shapes = _shapes()
+    key = _key(args)
+    shape = shapes.get(key)
+    if shape is None:  # first sight: the normal path, remembered
+        shapes[key] = _Shape()
+        while len(shapes) > MAX_SHAPES:
+            shapes.popitem(last=False)
+        return None
+    shapes.move_to_end(key)
+    if not shape.usable:
+        return None
+    if shape.plan is None:
+        shape.plan = _build(args)
+        if shape.plan is None:
+            shape.usable = False
+            return None
+    return shape
+
+
+def _build(args):
+    """A plan of the call's shapes holding none of its tensors, or ``None`` where no plan runs this call's kernels."""
+    from ..plan import MSADecodePlan
+
+    b, m = args.block_table.shape
+    if args.seq_lens.dtype != args.block_table.dtype:
+        return None  # (a plan takes one id dtype)
+    if args.topk > MAX_KERNEL_TOPK or (
+        args.index_q.dtype == torch.float32 and args.index_cache.dtype != FP8_DTYPE and args.index_q.shape[1] > 16
+    ):
+        return None  # (the one-shot step takes a PyTorch path there, SPEC 7; a plan would log it again)
+    caches = [getattr(args, name) for name in _CACHES]
+    query_dtype = args.q.dtype
+    try:
+        plan = MSADecodePlan(
+            *caches[:3],
+            batch=b,
+            max_blocks=m,
+            num_q_heads=args.q.shape[1],
+            decode_query_len=args.decode_query_len,
+            topk=args.topk,
+            init_blocks=args.init_blocks,
+            local_blocks=args.local_blocks,
+            scale=args.scale,
+            id_dtype=args.block_table.dtype,
+            index_scale=args.index_scale,
+            k_scale=args.k_scale,
+            v_scale=args.v_scale,
+            query_dtype=query_dtype,
+        )
+        plan._check_inputs({name: getattr(args, name) for name in _TENSORS}, caches)  # metadata only
+    except (TypeError, ValueError):  # (e.g. index_q's dtype differs from q's over FP8 caches)
+        return None
+    if not plan.uses_kernels or plan.algorithm is None:
+        return None
+    plan._caches = None  # (used only at construction and by the checks the one-shot call has made)
+    plan.out = None  # (each call gets its own)
+    return plan
+
+
+def run(shape: _Shape, args) -> torch.Tensor:
+    """The step through ``shape``'s plan, into a new ``out``: replayed where the recording applies."""
+    plan = shape.plan
+    q = args.q
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    inputs = {name: getattr(args, name) for name in _TENSORS}
+    inputs["out"] = out
+    caches = tuple(getattr(args, name) for name in _CACHES)
+    for name, t in zip(_CACHES, caches, strict=True):
+        if t is not None:
+            inputs[name] = t  # (put in place at each replay, so the recording keeps none of them)
+    plan.out = out
+    try:
+        rec = shape.recording
+        if rec is not None and rec.matches(inputs, ()):
+            rec.replay(inputs, plan.device)
+        else:
+            shape.recording = rec = _replay.record(lambda: plan._launch(inputs, caches), inputs, ())
+        if rec is not None:
+            rec.release()
+    finally:
+        plan.out = None
+    return out
+
+
+__all__ = ["ENABLED", "MAX_SHAPES", "applies", "lookup", "run"]

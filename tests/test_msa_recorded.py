@@ -1,0 +1,172 @@
+"""Repeated one-shot ``msa_decode`` calls of one shape (``mm3lab.msa.recorded``): from the second call
+on they run through an internal plan, and from the third replay its recorded launches (GPU). Every
+call is bit-identical to the normal path, returns its own new output, and nothing keeps the
+caller's tensors alive. On the CPU the plan path runs with normal launches (the interpreter has no
+compiled launchers to record), which checks the bookkeeping."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import mm3lab
+from mm3lab.msa import recorded, synthetic_layer
+
+
+@pytest.fixture
+def cpu_applies(monkeypatch):
+    """Let the recorded path apply to CPU tensors too (it is for GPUs; the bookkeeping is the same)."""
+    real = recorded.applies
+
+    def applies(args):
+        return recorded.ENABLED and not args.return_intermediates and args.q.shape[0] < 1024 or real(args)
+
+    monkeypatch.setattr(recorded, "applies", applies)
+    monkeypatch.setattr(recorded._local, "shapes", None, raising=False)
+
+
+def _layer(device, seed=0, dql=1, batch=2):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return synthetic_layer(
+        700,
+        batch=batch,
+        num_kv_heads=2,
+        group_size=4,
+        head_dim=64,
+        index_dim=64,
+        decode_query_len=dql,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+    )
+
+
+def _caches(layer):
+    kv = layer.cache.kv.clone()
+    k, v = mm3lab.page16_views(kv)
+    return kv, k, v, layer.index_cache.clone()
+
+
+def _step_inputs(layer, step):
+    g = torch.Generator(device=layer.q.device).manual_seed(100 + step)
+    return [
+        torch.randn(t.shape, generator=g, device=t.device).to(t.dtype)
+        for t in (layer.q, layer.key, layer.value, layer.index_q, layer.index_k)
+    ]
+
+
+def _call(layer, x, caches, seq_lens):
+    _, k, v, ic = caches
+    return mm3lab.msa_decode(*x, k, v, ic, layer.block_table, seq_lens, decode_query_len=layer.decode_query_len, topk=4)
+
+
+def _run_both(layer, steps, device):
+    """Each step on the recorded path (twin caches a) and on the normal path (twin caches b)."""
+    a, b = _caches(layer), _caches(layer)
+    outs = []
+    seq_lens = layer.seq_lens.clone()
+    for step in range(steps):
+        x = _step_inputs(layer, step)
+        got = _call(layer, x, a, seq_lens)
+        recorded.ENABLED = False
+        try:
+            want = _call(layer, x, b, seq_lens)
+        finally:
+            recorded.ENABLED = True
+        assert torch.equal(got, want), step
+        assert torch.equal(a[0], b[0]) and torch.equal(a[3], b[3]), step
+        outs.append((got, want.clone()))
+        seq_lens = seq_lens + layer.decode_query_len  # the next step's tokens
+    for step, (got, want) in enumerate(outs):  # every call returned its own output
+        assert torch.equal(got, want), f"step {step}'s output was overwritten"
+    return a
+
+
+@pytest.mark.parametrize("dql", [1, 3])
+def test_repeated_calls_equal_the_normal_path_on_cpu(cpu_applies, dql):
+    layer = _layer("cpu", dql=dql)
+    _run_both(layer, 4, "cpu")
+    (shape,) = recorded._local.shapes.values()
+    assert shape.plan is not None and shape.usable
+
+
+def test_first_call_of_a_shape_takes_the_normal_path(cpu_applies):
+    layer = _layer("cpu")
+    caches = _caches(layer)
+    _call(layer, _step_inputs(layer, 0), caches, layer.seq_lens)
+    (shape,) = recorded._local.shapes.values()
+    assert shape.plan is None  # seen once: no plan built for a single call
+
+
+def test_shapes_are_kept_least_recently_used(cpu_applies, monkeypatch):
+    monkeypatch.setattr(recorded, "MAX_SHAPES", 2)
+    layers = [_layer("cpu", batch=b) for b in (1, 2, 3)]
+    for layer in layers:
+        _call(layer, _step_inputs(layer, 0), _caches(layer), layer.seq_lens)
+    assert len(recorded._local.shapes) == 2
+    assert [key[7][0][0] for key in recorded._local.shapes] == [2, 3]  # block_table rows: batch 1 dropped
+
+
+def test_return_intermediates_and_a_disabled_path_take_the_normal_path(cpu_applies):
+    layer = _layer("cpu")
+    caches = _caches(layer)
+    x = _step_inputs(layer, 0)
+    for _ in range(3):
+        _, k, v, ic = caches
+        mm3lab.msa_decode(*x, k, v, ic, layer.block_table, layer.seq_lens, topk=4, return_intermediates=True)
+    assert not recorded._local.shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dql", [1, 3])
+def test_repeated_calls_replay_bit_identical_on_gpu(dql):
+    recorded._local.shapes = None
+    layer = _layer("cuda", dql=dql)
+    _run_both(layer, 5, "cuda")
+    (shape,) = recorded._local.shapes.values()
+    assert shape.recording is not None and shape.recording.replays == 3  # call 2 records, calls 3 to 5 replay
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_new_caches_and_new_strides_on_gpu():
+    """New caches of the same shape are put in place (no new recording); new input strides record anew."""
+    recorded._local.shapes = None
+    layer = _layer("cuda")
+    for _ in range(3):
+        _run_both(layer, 3, "cuda")  # fresh twin caches each time, same shapes
+    (shape,) = recorded._local.shapes.values()
+    rec = shape.recording
+    assert rec is not None and rec.replays == 7
+    x = [torch.cat([t, t], -1)[..., : t.shape[-1]] for t in _step_inputs(layer, 9)]  # new strides
+    a = _caches(layer)
+    got = _call(layer, x, a, layer.seq_lens)
+    recorded.ENABLED = False
+    try:
+        want = _call(layer, x, _caches(layer), layer.seq_lens)
+    finally:
+        recorded.ENABLED = True
+    assert torch.equal(got, want)
+    assert shape.recording is not rec  # recorded anew for the new strides
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_nothing_keeps_the_callers_tensors_alive(cpu_applies, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    recorded._local.shapes = None
+    layer = _layer(device)
+    caches = _caches(layer)
+    x = _step_inputs(layer, 0)
+    for _ in range(4):
+        out = _call(layer, x, caches, layer.seq_lens)
+    (shape,) = recorded._local.shapes.values()
+    assert shape.plan is not None
+    refs = [weakref.ref(t) for t in (*caches, *x, out)]
+    del caches, x, out
+    gc.collect()
+    assert all(r() is None for r in refs), "a recorded step kept a caller's tensor alive"
