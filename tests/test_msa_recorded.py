@@ -108,6 +108,8 @@ def test_shapes_are_kept_least_recently_used(cpu_applies, monkeypatch):
         _call(layer, _step_inputs(layer, 0), _caches(layer), layer.seq_lens)
     assert len(recorded._local.shapes) == 2
     assert [key[7][0][0] for key in recorded._local.shapes] == [2, 3]  # block_table rows: batch 1 dropped
+    recorded.clear()
+    assert not recorded._shapes()
 
 
 def test_return_intermediates_and_a_disabled_path_take_the_normal_path(cpu_applies):

@@ -81,6 +81,11 @@ def _shapes() -> collections.OrderedDict:
     return shapes
 
 
+def clear() -> None:
+    """Drop this thread's recorded shapes and their plans' buffers (the next calls start afresh)."""
+    _local.shapes = None
+
+
 def applies(args) -> bool:
     """Whether this call may take the recorded path (see the module doc); no device work."""
     q = args.q
@@ -182,4 +187,4 @@ def run(shape: _Shape, args) -> torch.Tensor:
     return out
 
 
-__all__ = ["ENABLED", "MAX_SHAPES", "applies", "lookup", "run"]
+__all__ = ["ENABLED", "MAX_SHAPES", "applies", "clear", "lookup", "run"]
