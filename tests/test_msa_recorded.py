@@ -28,23 +28,17 @@ def cpu_applies(monkeypatch):
     monkeypatch.setattr(recorded._local, "shapes", None, raising=False)
 
 
-def _layer(device, seed=0, dql=1, batch=2):
+SMALL = {"num_kv_heads": 2, "group_size": 4, "head_dim": 64, "index_dim": 64}
+"""A small synthetic layer's heads and dims (shared with ``test_plan_replay``)."""
+
+
+def _layer(device, seed=0, dql=1, batch=2, context=700):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    return synthetic_layer(
-        700,
-        batch=batch,
-        num_kv_heads=2,
-        group_size=4,
-        head_dim=64,
-        index_dim=64,
-        decode_query_len=dql,
-        dtype=dtype,
-        device=device,
-        seed=seed,
-    )
+    return synthetic_layer(context, batch=batch, decode_query_len=dql, dtype=dtype, device=device, seed=seed, **SMALL)
 
 
 def _caches(layer):
+    """A copy of the layer's caches: ``(kv, k_cache, v_cache, index_cache)``."""
     kv = layer.cache.kv.clone()
     k, v = mm3lab.page16_views(kv)
     return kv, k, v, layer.index_cache.clone()

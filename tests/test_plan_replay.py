@@ -6,34 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_msa_recorded import _caches
+from test_msa_recorded import _layer as _small_layer
 
 import mm3lab
 from mm3lab import _replay
-from mm3lab.msa import synthetic_layer
 
 pytestmark = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _layer(batch=2, context=700, dql=1, seed=0):
-    return synthetic_layer(
-        context,
-        batch=batch,
-        num_kv_heads=2,
-        group_size=4,
-        head_dim=64,
-        index_dim=64,
-        decode_query_len=dql,
-        dtype=torch.bfloat16,
-        device="cuda",
-        seed=seed,
-    )
-
-
-def _twin_caches(layer):
-    kv = layer.cache.kv.clone()
-    k, v = mm3lab.page16_views(kv)
-    return kv, k, v, layer.index_cache.clone()
+    return _small_layer("cuda", seed=seed, dql=dql, batch=batch, context=context)
 
 
 def _plan(k, v, ic, layer):
@@ -70,8 +54,8 @@ def _inputs(layer, step, how="plain"):
 def test_replayed_runs_equal_normal_launches_and_rerecord_on_new_strides_alignment_or_cache(dql):
     assert _replay.supported(), "recorded launches are verified for this Triton; the test expects them on"
     layer = _layer(dql=dql)
-    kv_a, ka, va, ica = _twin_caches(layer)
-    kv_b, kb, vb, icb = _twin_caches(layer)
+    kv_a, ka, va, ica = _caches(layer)
+    kv_b, kb, vb, icb = _caches(layer)
     plan_a, plan_b = _plan(ka, va, ica, layer), _plan(kb, vb, icb, layer)
     steps = ["plain", "plain", "plain", "strided", "strided", "misaligned", "misaligned", "plain"]
     records = []
@@ -92,7 +76,7 @@ def test_replayed_runs_equal_normal_launches_and_rerecord_on_new_strides_alignme
     assert len({id(r) for r in records}) == 4 and records[0].replays == 2 and records[3].replays == 1
     assert len(records[0].launches) >= 6  # rows and slots, two inserts, scores, top-k + table, attention
     # a different cache (same shape) is a new recording, and still the same answer
-    kv_c, kc, vc, icc = _twin_caches(layer)
+    kv_c, kc, vc, icc = _caches(layer)
     kv_c.copy_(kv_a)
     icc.copy_(ica)
     x = _inputs(layer, 99)
@@ -106,8 +90,8 @@ def test_replayed_runs_equal_normal_launches_and_rerecord_on_new_strides_alignme
 def test_prefill_plan_replays_with_new_rows():
     layer = _layer(batch=2, context=700)
     n = 6
-    kv_a, ka, va, ica = _twin_caches(layer)
-    kv_b, kb, vb, icb = _twin_caches(layer)
+    kv_a, ka, va, ica = _caches(layer)
+    kv_b, kb, vb, icb = _caches(layer)
     plans = [
         mm3lab.MSAPrefillPlan(
             k, v, ic, num_tokens=n, batch=2, max_blocks=layer.block_table.shape[1], num_q_heads=8, topk=4

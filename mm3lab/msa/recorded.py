@@ -45,6 +45,9 @@ MAX_SHAPES = 4
 _TENSORS = ("q", "key", "value", "index_q", "index_k", "block_table", "seq_lens")
 _CACHES = ("k_cache", "v_cache", "index_cache", "index_scale", "k_scale", "v_scale")
 
+_PLANNED = ("decode_query_len", "topk", "init_blocks", "local_blocks", "scale", "index_scale", "k_scale", "v_scale")
+"""The call's arguments a plan takes as they are."""
+
 _local = threading.local()
 
 
@@ -134,23 +137,15 @@ def _build(args):
     ):
         return None  # (the one-shot step takes a PyTorch path there, SPEC 7; a plan would log it again)
     caches = [getattr(args, name) for name in _CACHES]
-    query_dtype = args.q.dtype
     try:
         plan = MSADecodePlan(
             *caches[:3],
             batch=b,
             max_blocks=m,
             num_q_heads=args.q.shape[1],
-            decode_query_len=args.decode_query_len,
-            topk=args.topk,
-            init_blocks=args.init_blocks,
-            local_blocks=args.local_blocks,
-            scale=args.scale,
             id_dtype=args.block_table.dtype,
-            index_scale=args.index_scale,
-            k_scale=args.k_scale,
-            v_scale=args.v_scale,
-            query_dtype=query_dtype,
+            query_dtype=args.q.dtype,
+            **{name: getattr(args, name) for name in _PLANNED},
         )
         plan._check_inputs({name: getattr(args, name) for name in _TENSORS}, caches)  # metadata only
     except (TypeError, ValueError):  # (e.g. index_q's dtype differs from q's over FP8 caches)
