@@ -166,3 +166,23 @@ def test_nothing_keeps_the_callers_tensors_alive(cpu_applies, device):
     del caches, x, out
     gc.collect()
     assert all(r() is None for r in refs), "a recorded step kept a caller's tensor alive"
+
+
+@pytest.mark.parametrize("bad", ["key", "value", "scale"])
+def test_a_bad_argument_after_repeated_calls_gets_its_own_error(cpu_applies, bad):
+    """The recorded path is looked up before the inserts' checks: an argument only they reject (a list
+    for a tensor, an unhashable scale) must still get their error, not the lookup's."""
+    layer = _layer("cpu")
+    caches = _caches(layer)
+    x = _step_inputs(layer, 0)
+    for _ in range(3):  # the shape is planned
+        _call(layer, x, caches, layer.seq_lens)
+    _, k, v, ic = caches
+    args = dict(zip(("q", "key", "value", "index_q", "index_k"), x, strict=True))
+    kwargs = {"topk": 4}
+    if bad == "scale":
+        kwargs["scale"] = [0.125]
+    else:
+        args[bad] = args[bad].tolist()
+    with pytest.raises(TypeError, match=bad):
+        mm3lab.msa_decode(*args.values(), k, v, ic, layer.block_table, layer.seq_lens, **kwargs)

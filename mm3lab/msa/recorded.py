@@ -60,8 +60,9 @@ class _Shape:
         self.plan, self.recording, self.usable = None, None, True
 
 
-def _key(args) -> tuple:
-    """Everything a plan fixes: shapes and dtypes of every tensor, the selection, the stream."""
+def _key(args) -> tuple | None:
+    """Everything a plan fixes: shapes and dtypes of every tensor, the selection, the stream
+    (``None`` where a tensor argument is not a tensor: the normal path rejects the call)."""
     q = args.q
     key = [
         torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else None,
@@ -73,6 +74,8 @@ def _key(args) -> tuple:
     ]
     for name in (*_TENSORS, *_CACHES):
         t = getattr(args, name)
+        if t is not None and not isinstance(t, torch.Tensor):
+            return None  # (an argument the inserts' checks, still to come, reject)
         key.append(None if t is None else (t.shape, t.dtype, t.device))
     return tuple(key)
 
@@ -108,7 +111,12 @@ def lookup(args):
     ``args``: every argument of :func:`mm3lab.msa_decode` by name, all of them checked."""
     shapes = _shapes()
     key = _key(args)
-    shape = shapes.get(key)
+    if key is None:
+        return None
+    try:
+        shape = shapes.get(key)
+    except TypeError:  # (an unhashable scale, which the inserts' checks reject)
+        return None
     if shape is None:  # first sight: the normal path, remembered
         shapes[key] = _Shape()
         while len(shapes) > MAX_SHAPES:
