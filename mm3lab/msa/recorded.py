@@ -108,7 +108,9 @@ def applies(args) -> bool:
 def lookup(args):
     """The plan of this call's shape if one is built or due (its second call), else ``None`` (normal path).
 
-    ``args``: every argument of :func:`mm3lab.msa_decode` by name, all of them checked."""
+    ``args``: every argument of :func:`mm3lab.msa_decode` by name, after the query's and the indexer's
+    checks; the inserts' checks come after the lookup (with the plan's slots), so a call they reject
+    never runs the plan."""
     shapes = _shapes()
     key = _key(args)
     if key is None:
