@@ -50,10 +50,17 @@ def check_rebase_slots(slots) -> None:
     _check_doubles("slots", slots)
 
 
-def check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> int:
-    """Validate ``write_kv_page16``'s arguments; return the views' ``block_page_stride``."""
-    block_page_stride = check_kv_views(k_cache, v_cache)
-    check_kv_scales(k_cache, v_cache, k_scale, v_scale)  # FP8 (SPEC section 9)
+def check_write_kv(
+    key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, *, block_page_stride: int | None = None
+) -> int:
+    """Validate ``write_kv_page16``'s arguments; return the views' ``block_page_stride``.
+
+    ``block_page_stride``: given by a caller that has checked the views and their scales
+    (:func:`mm3lab.layout.views.check_kv_views`, ``check_kv_scales``), which are then not checked again.
+    """
+    if block_page_stride is None:
+        block_page_stride = check_kv_views(k_cache, v_cache)
+        check_kv_scales(k_cache, v_cache, k_scale, v_scale)  # FP8 (SPEC section 9)
     _, _, h, d = k_cache.shape
     check_tensor("key", key, ndim=3)
     n = key.shape[0]

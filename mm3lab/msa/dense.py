@@ -15,7 +15,7 @@ from ..attention import sparse_attention
 from ..block_table import build_sparse_block_table_decode, build_sparse_block_table_prefill
 from ..index_cache import token_slots
 from ..indexer.checks import check_table_entries
-from ..layout import num_cache_blocks, write_kv_page16
+from ..layout import write_kv_page16
 from ..rows import decode_query_rows
 from .layer import MSAStep, _check_inserts, _check_query
 
@@ -59,10 +59,11 @@ def dense_decode(
         )
     check_same_device(q=q, block_table=block_table, seq_lens=seq_lens)
     req, pos = decode_query_rows(seq_lens, decode_query_len)
-    check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache", seq_lens)
+    check_table_entries(block_table, req, pos, k_cache.shape[0] // block_page_stride, "the KV cache", seq_lens)
     with validation(False):  # values checked above in one read (check_table_entries): not again
         slots = token_slots(block_table, req, pos)
-        _check_inserts(q, key, value, None, k_cache, v_cache, None, block_table, slots, scale=scale)
+        checked = {"block_page_stride": block_page_stride, "scale": scale}
+        _check_inserts(q, key, value, None, k_cache, v_cache, None, block_table, slots, **checked)
         write_kv_page16(key, value, k_cache, v_cache, slots)
         topk_idx = _all_blocks(k_cache.shape[2], q.shape[0], block_table)
         sparse_bt, sparse_ctx = build_sparse_block_table_decode(
@@ -94,10 +95,11 @@ def dense_prefill(
     check_index("query_req_id", query_req_id, shape=(query_abs_pos.shape[0],))
     check_same_device(q=q, block_table=block_table, query_req_id=query_req_id, query_abs_pos=query_abs_pos)
     req, pos = query_req_id, query_abs_pos
-    check_table_entries(block_table, req, pos, num_cache_blocks(k_cache, v_cache), "the KV cache")
+    check_table_entries(block_table, req, pos, k_cache.shape[0] // block_page_stride, "the KV cache")
     with validation(False):  # values checked in one read (check_table_entries): not again
         slots = token_slots(block_table, req, pos)
-        _check_inserts(q, key, value, None, k_cache, v_cache, None, block_table, slots, scale=scale)
+        checked = {"block_page_stride": block_page_stride, "scale": scale}
+        _check_inserts(q, key, value, None, k_cache, v_cache, None, block_table, slots, **checked)
         write_kv_page16(key, value, k_cache, v_cache, slots)
         topk_idx = _all_blocks(k_cache.shape[2], q.shape[0], block_table)
         sparse_bt, sparse_ctx = build_sparse_block_table_prefill(topk_idx, block_table, req, pos, block_page_stride)

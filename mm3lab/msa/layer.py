@@ -40,7 +40,7 @@ from ..indexer import _checked_entry, index_scores_decode, index_scores_prefill
 from ..indexer.checks import MAX_TOPK
 from ..indexer.checks import check_decode as check_indexer_decode
 from ..indexer.checks import check_prefill as check_indexer_prefill
-from ..layout import _write_checked, check_kv_views, num_cache_blocks
+from ..layout import _write_checked, check_kv_views
 from ..layout.checks import check_write_kv
 from ..layout.views import check_kv_scales
 from ..rows import decode_query_rows, rows_and_slots
@@ -111,6 +111,7 @@ def _check_inserts(
     block_table,
     slots,
     *,
+    block_page_stride: int,
     scale=None,
     index_scale=None,
     k_scale=None,
@@ -120,7 +121,8 @@ def _check_inserts(
 
     The new tokens' K/V (and index keys), the ``scale``, and the ``slots [N]`` the caller
     computed from rows already checked against the block table in one read (the indexer's
-    checks, or :func:`mm3lab.indexer.checks.check_table_entries`).
+    checks, or :func:`mm3lab.indexer.checks.check_table_entries`). The KV views and their
+    scales are :func:`_check_query`'s (``block_page_stride`` is what it returned).
     """
     n = slots.shape[0]
     _, _, hkv, d = k_cache.shape
@@ -140,17 +142,18 @@ def _check_inserts(
         v_scale=v_scale,
         inputs={"q": q, "key": key, "value": value, "index_k": index_k},
     )
-    check_write_kv(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+    check_write_kv(key, value, k_cache, v_cache, slots, k_scale, v_scale, block_page_stride=block_page_stride)
     if index_cache is not None:
         check_insert_index_cache(index_k, index_cache, slots, index_scale)
 
 
-def _check_index_step(index_k, index_cache, k_cache, v_cache, topk) -> None:
-    """The MSA layer's own rules: an index key per token, the top-k, one block count for both caches."""
+def _check_index_step(index_k, index_cache, k_cache, topk, block_page_stride: int) -> None:
+    """The MSA layer's own rules: an index key per token, the top-k, one block count for both caches
+    (``block_page_stride``: the KV views', as :func:`_check_query` checked and returned it)."""
     check_tensor("index_k", index_k, ndim=2)
     check_int("topk", topk, minimum=1, maximum=MAX_TOPK)
     check_index_cache(index_cache)
-    kv_blocks = num_cache_blocks(k_cache, v_cache)
+    kv_blocks = k_cache.shape[0] // block_page_stride
     if index_cache.shape[0] != kv_blocks:
         raise ValueError(
             f"index_cache: {index_cache.shape[0]} blocks, but the KV cache has {kv_blocks}: both caches take the "
@@ -225,7 +228,7 @@ def run_layer(steps, arguments: dict):
     selection = (*row_args, args.topk, *extra, args.init_blocks, args.local_blocks)
 
     block_page_stride = _check_query(q, k_cache, v_cache, args.index_q, **kv_scales)
-    _check_index_step(args.index_k, index_cache, k_cache, v_cache, args.topk)
+    _check_index_step(args.index_k, index_cache, k_cache, args.topk, block_page_stride)
     check = check_indexer_decode if decode else check_indexer_prefill
     check(args.index_q, index_cache, block_table, *selection, index_scale)
     # a repeated one-shot decode step replays its launches through an internal plan (mm3lab.msa.recorded)
@@ -248,6 +251,7 @@ def run_layer(steps, arguments: dict):
             index_cache,
             block_table,
             slots,
+            block_page_stride=block_page_stride,
             scale=args.scale,
             index_scale=index_scale,
             **kv_scales,
