@@ -131,13 +131,14 @@ def check_out(name: str, out: torch.Tensor | None, shape: Sequence[int], dtype: 
 
 def _storage_span(t: torch.Tensor) -> tuple[int, int] | None:
     """The byte range ``[start, end)`` that ``t`` covers (``None`` when it covers nothing)."""
-    if t.numel() == 0 or t.device.type == "meta":
+    n = t.numel()
+    if n == 0 or t.is_meta:
         return None
-    start = t.data_ptr()
+    start, item = t.data_ptr(), t.element_size()
     if t.is_contiguous():
-        return start, start + t.numel() * t.element_size()
+        return start, start + n * item
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return start, start + (last + 1) * t.element_size()
+    return start, start + (last + 1) * item
 
 
 def check_no_alias(*, inputs: dict, **buffers) -> None:
