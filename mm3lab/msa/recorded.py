@@ -16,7 +16,7 @@ What a call returns is its own new ``out`` tensor: the plan's intermediates (slo
 top-k, sparse block table, log-sum-exp, split partials) are reused from call to call, in
 stream order (the plans are kept per thread and per CUDA stream). Neither the plans nor their
 recordings keep the caller's tensors (inputs, caches) alive. Results are bit-identical to the
-normal path (same kernels, same arguments; ``tests/test_plan_replay.py``).
+normal path (same kernels, same arguments; ``tests/test_msa_recorded.py``).
 
 The path applies on a GPU with recordable launches (:func:`mm3lab._replay.supported`), outside
 CUDA-graph capture, without ``return_intermediates``, for fewer than
