@@ -207,14 +207,13 @@ class _MSAPlan:
     def _kernels_apply(self) -> bool:
         # the rules of the entry points the plan launches (SPEC 7), logged and recorded under the plan's name
         k_cache, index_cache = self._caches[0], self._caches[2]
-        fallback = backend.bf16_interpreted(self.dtype) or backend.bf16_interpreted(self.index_dtype)
-        if (
-            self.index_dtype == torch.float32
-            and index_cache.dtype != FP8_DTYPE
-            and k_cache.shape[2] > 16
-            and not backend.INTERPRETER
-        ):
-            fallback = "fp32-wide-index-heads"
+        from .indexer import index_fallback
+
+        fallback = (
+            backend.bf16_interpreted(self.dtype)
+            or backend.bf16_interpreted(self.index_dtype)
+            or index_fallback(self.index_dtype, index_cache.dtype, k_cache.shape[2])
+        )
         return backend.use_kernel(k_cache, index_cache, entry_point=type(self).__name__, fallback=fallback)
 
     def _allocate(self) -> None:

@@ -46,14 +46,20 @@ from .reference import block_score, candidate_blocks, force_scores, select_topk
 __all__ = reference.__all__  # the same names: its helpers re-exported, its entry points as kernels
 
 
+def index_fallback(query_dtype: torch.dtype, index_cache_dtype: torch.dtype, heads: int) -> str | None:
+    """The rule (a :data:`mm3lab.backend.FALLBACK_RULES` name) by which scoring index queries of
+    ``query_dtype`` with ``heads`` index heads takes the PyTorch path (SPEC 7), or ``None``."""
+    if index_cache_dtype == FP8_DTYPE:  # FP8 keys: the kernel rounds index_q to FP8 itself, from any float dtype
+        return None
+    # float32 tiles are kept at 16 lanes (see kernel.index_scores_kernel); more than 16 index
+    # heads would need wider ones, so such float32 calls take the PyTorch path on a GPU.
+    if query_dtype == torch.float32 and heads > 16 and not backend.INTERPRETER:
+        return "fp32-wide-index-heads"
+    return backend.bf16_interpreted(query_dtype)
+
+
 def _use_kernel(entry_point: str, index_q, index_cache, *tensors) -> bool:
-    fallback = None
-    if index_cache.dtype != FP8_DTYPE:  # FP8 keys: the kernel rounds index_q to FP8 itself, from any float dtype
-        fallback = backend.bf16_interpreted(index_q.dtype)
-        # float32 tiles are kept at 16 lanes (see kernel.index_scores_kernel); more than 16 index
-        # heads would need wider ones, so such float32 calls take the PyTorch path on a GPU.
-        if index_q.dtype == torch.float32 and index_q.shape[1] > 16 and not backend.INTERPRETER:
-            fallback = "fp32-wide-index-heads"
+    fallback = index_fallback(index_q.dtype, index_cache.dtype, index_q.shape[1])
     return backend.use_kernel(index_q, index_cache, *tensors, entry_point=entry_point, fallback=fallback)
 
 

@@ -34,7 +34,7 @@ import torch
 from .. import _replay
 from ..attention import TILED_MIN_ROWS
 from ..block_table import MAX_KERNEL_TOPK
-from ..fp8 import FP8_DTYPE
+from ..indexer import index_fallback
 
 ENABLED = True
 """Replay repeated one-shot decode steps (where the module doc says); ``False``: always the normal path."""
@@ -142,9 +142,7 @@ def _build(args):
     b, m = args.block_table.shape
     if args.seq_lens.dtype != args.block_table.dtype:
         return None  # (a plan takes one id dtype)
-    if args.topk > MAX_KERNEL_TOPK or (
-        args.index_q.dtype == torch.float32 and args.index_cache.dtype != FP8_DTYPE and args.index_q.shape[1] > 16
-    ):
+    if args.topk > MAX_KERNEL_TOPK or index_fallback(args.index_q.dtype, args.index_cache.dtype, args.index_q.shape[1]):
         return None  # (the one-shot step takes a PyTorch path there, SPEC 7; a plan would log it again)
     caches = [getattr(args, name) for name in _CACHES]
     try:
