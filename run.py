@@ -7,11 +7,17 @@
     python3 run.py info        # set up, then print versions, device and backend
     python3 run.py test-gpu    # on a GPU machine: the GPU tests with the system Python
     python3 run.py test-browser  # set up (+ Playwright, Chromium), then every notebook in JupyterLab in Chromium
+    python3 run.py test-newest   # the suite again (unit tests + nbval) in .venv-newest, newest Triton tested
 
 The environment is a virtual environment in ``.venv`` next to this file, made
 with the standard library's ``venv`` and filled by pip from ``pyproject.toml``
 (through ``constraints.txt``). It is reused while those files are unchanged
-and refreshed when they change. Only Python 3.10+ and pip are needed.
+and refreshed when they change. Only Python 3.10+ and pip are needed. Where
+pip's torch at the pinned version is a build that pins its own Triton (the CUDA
+builds on PyPI: torch 2.13.0 wants triton 3.7.1), that Triton replaces the
+pinned one, with a note; the constraints used are in ``.venv/constraints.txt``.
+``test-newest`` makes a second one, ``.venv-newest``, through ``constraints-newest.txt``
+(the newest Triton the suite is run with; ``constraints.txt`` pins the oldest supported).
 ``test-gpu`` makes no environment: GPU machines bring their own CUDA PyTorch.
 ``test-browser`` also installs the ``browser`` extra (Playwright) and, where
 ``/usr/bin/chromium`` is missing and we are root, Debian's ``chromium`` package
@@ -30,9 +36,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
-STAMP = VENV / ".mm3lab-installed"
-BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
-PY = BIN / ("python.exe" if os.name == "nt" else "python")
+VENV_NEWEST = ROOT / ".venv-newest"
+
+
+def _bin(venv_dir: Path) -> Path:
+    return venv_dir / ("Scripts" if os.name == "nt" else "bin")
+
+
+def _python(venv_dir: Path) -> Path:
+    return _bin(venv_dir) / ("python.exe" if os.name == "nt" else "python")
+
+
+BIN = _bin(VENV)
+PY = _python(VENV)
 
 NBVAL_CELL_TIMEOUT_S = 120  # the slowest cell takes well under a minute; past this the cell fails
 PYTEST_ARGS = [
@@ -51,12 +67,13 @@ PYTEST_ARGS = [
 ]
 CHROMIUM = Path("/usr/bin/chromium")
 BROWSER_STAMP = VENV / ".mm3lab-browser-installed"
+NEWEST_PYTEST_ARGS = [*PYTEST_ARGS, "-m", "not notebook_conditions"]  # (their reruns stay with `test`)
 GPU_PYTEST_ARGS = ["-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
 
 
-def _fingerprint() -> str:
+def _fingerprint(constraints: str = "constraints.txt") -> str:
     h = hashlib.sha256()
-    for name in ("pyproject.toml", "constraints.txt"):
+    for name in ("pyproject.toml", constraints):
         h.update((ROOT / name).read_bytes())
     return h.hexdigest()
 
@@ -66,18 +83,63 @@ def _run(cmd: list, **kwargs) -> None:
     subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT, **kwargs)
 
 
-def ensure_env() -> None:
-    """Create ``.venv`` if missing; (re)install mm3lab and its test extras if out of date."""
-    if not PY.exists():
-        print(f"creating a virtual environment in {VENV.name}/", flush=True)
-        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
-    if STAMP.exists() and STAMP.read_text() == _fingerprint():
-        return
-    pip = [PY, "-m", "pip", "--disable-pip-version-check", "install", "-q"]
-    # torch first, pinned: otherwise a resolver may pick a much larger CUDA build.
-    _run(pip + ["-c", "constraints.txt", "torch", "triton"])
-    _run(pip + ["-c", "constraints.txt", "-e", ".[test]"])
-    STAMP.write_text(_fingerprint())
+def _pins(constraints: Path) -> dict[str, str]:
+    """``name -> version`` of the ``name==version`` lines of a constraints file."""
+    pins = {}
+    for line in constraints.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if "==" in line:
+            name, version = line.split("==")
+            pins[name.strip().lower()] = version.strip()
+    return pins
+
+
+_TORCH_TRITON = """
+import importlib.metadata as m, re
+for r in m.requires("torch") or []:
+    pin = re.match(r"triton\\s*==\\s*([^;\\s]+)", r)
+    if pin:
+        try:
+            print(m.version("triton") if m.version("triton") == pin.group(1) else "")
+        except m.PackageNotFoundError:
+            pass
+"""
+"""Prints the Triton version the installed torch pins and pulled in (a PyPI CUDA build does: torch 2.13.0
+wants triton 3.7.1), or nothing (a CPU build names no Triton)."""
+
+
+def ensure_env(venv_dir: Path = VENV, constraints: str = "constraints.txt") -> Path:
+    """Create ``venv_dir`` if missing; (re)install mm3lab and its test extras through ``constraints``
+    if out of date. Returns the environment's Python.
+
+    torch goes first, at its pinned version (otherwise a resolver may pick a much larger CUDA
+    build). Where that torch is a build that pins its own Triton (the CUDA builds on PyPI), that
+    Triton is kept and replaces the constraints' pin, which cannot be installed beside it; the
+    constraints actually used are written to ``venv_dir/constraints.txt``.
+    """
+    py, stamp = _python(venv_dir), venv_dir / ".mm3lab-installed"
+    if not py.exists():
+        print(f"creating a virtual environment in {venv_dir.name}/", flush=True)
+        venv.EnvBuilder(with_pip=True, clear=True).create(venv_dir)
+    if stamp.exists() and stamp.read_text() == _fingerprint(constraints):
+        return py
+    pip = [py, "-m", "pip", "--disable-pip-version-check", "install", "-q"]
+    pins = _pins(ROOT / constraints)
+    _run(pip + [f"torch=={pins['torch']}"])
+    torch_triton = subprocess.run([py, "-c", _TORCH_TRITON], capture_output=True, text=True, check=True).stdout
+    if torch_triton.strip() and torch_triton.strip() != pins.get("triton"):
+        print(
+            f"note: this torch {pins['torch']} build requires triton {torch_triton.strip()}; using it instead of "
+            f"the triton {pins.get('triton')} that {constraints} pins",
+            flush=True,
+        )
+        pins["triton"] = torch_triton.strip()
+    used = venv_dir / "constraints.txt"
+    used.write_text("".join(f"{name}=={version}\n" for name, version in pins.items()))
+    _run(pip + ["-c", used, "triton"])
+    _run(pip + ["-c", used, "-e", ".[test]"])
+    stamp.write_text(_fingerprint(constraints))
+    return py
 
 
 def ensure_browser() -> None:
@@ -92,7 +154,7 @@ def ensure_browser() -> None:
                 "install",
                 "-q",
                 "-c",
-                "constraints.txt",
+                VENV / "constraints.txt",
                 "-e",
                 ".[test,browser]",
             ]
@@ -117,6 +179,11 @@ def main(argv: list[str]) -> int:
     if job == "test-gpu":
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         cmd = [sys.executable, "-m", "pytest", *GPU_PYTEST_ARGS, *rest]
+        return subprocess.run(cmd, check=False, cwd=ROOT, env=env).returncode
+    if job == "test-newest":  # the suite with the newest Triton tested (but the notebook-condition reruns)
+        py = ensure_env(VENV_NEWEST, "constraints-newest.txt")
+        env.setdefault("MPLBACKEND", "Agg")
+        cmd = [py, "-m", "pytest", *NEWEST_PYTEST_ARGS, *rest]
         return subprocess.run(cmd, check=False, cwd=ROOT, env=env).returncode
     ensure_env()
     if job == "test":

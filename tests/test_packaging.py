@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import tomllib
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,6 +19,7 @@ def _name(requirement: str) -> str:
 
 
 def _pyproject():
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11+ (tomllib)")
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
@@ -47,10 +50,48 @@ def test_environment_yml_is_conda_forge_python_311():
     assert re.search(r"^\s+- python=3\.11$", text, re.M)
 
 
+def _pins(name: str) -> dict:
+    lines = (ROOT / name).read_text().splitlines()
+    return dict(line.split("==") for line in lines if "==" in line and not line.startswith("#"))
+
+
 def test_constraints_pin_packages_the_project_depends_on():
     deps = {_name(d) for d in _pyproject()["project"]["dependencies"]}
-    pins = [line.split("==")[0] for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line]
-    assert pins and set(pins) <= deps
+    for name in ("constraints.txt", "constraints-newest.txt"):
+        pins = _pins(name)
+        assert pins and set(pins) <= deps, name
+
+
+def _version(v: str) -> tuple:
+    return tuple(int(x) for x in v.split("."))
+
+
+def test_newest_constraints_test_a_newer_triton_than_the_oldest_supported():
+    oldest, newest = _pins("constraints.txt"), _pins("constraints-newest.txt")
+    floor = next(d for d in _pyproject()["project"]["dependencies"] if _name(d) == "triton").split(">=")[1]
+    assert oldest["triton"].startswith(floor), "constraints.txt pins the oldest Triton pyproject.toml allows"
+    assert _version(newest["triton"]) > _version(oldest["triton"])
+    assert newest["torch"] == oldest["torch"], "one torch for both, so that a failure is Triton's"
+
+
+def _run_py():
+    spec = importlib.util.spec_from_file_location("run_py", ROOT / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_set_up_reads_the_pins_and_asks_torch_for_its_own_triton():
+    run_py = _run_py()
+    assert run_py._pins(ROOT / "constraints.txt") == _pins("constraints.txt")
+    assert set(run_py._pins(ROOT / "constraints.txt")) == {"torch", "triton"}
+    # this environment's torch is a CPU build, which names no Triton: the pinned one stays
+    out = subprocess.run([sys.executable, "-c", run_py._TORCH_TRITON], capture_output=True, text=True, check=True)
+    torch_names_triton = any(r.startswith("triton") for r in (importlib.metadata.requires("torch") or []))
+    if not torch_names_triton:
+        assert out.stdout.strip() == ""
+    else:
+        assert out.stdout.strip() in ("", importlib.metadata.version("triton"))
 
 
 def test_ci_runs_the_readme_test_command():
@@ -58,6 +99,11 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     command = "python3 run.py test"
     assert command in readme and command in ci
+
+
+def test_ci_runs_the_tests_with_the_newest_triton():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python3 run.py test-newest" in ci and "python3 run.py test-newest" in (ROOT / "README.md").read_text()
 
 
 def test_ci_runs_the_browser_check_after_the_tests():
@@ -68,5 +114,5 @@ def test_ci_runs_the_browser_check_after_the_tests():
 
 def test_run_py_help_lists_every_job():
     out = subprocess.run([sys.executable, str(ROOT / "run.py"), "help"], capture_output=True, text=True, check=True)
-    for job in ("tour", "test", "lab", "info", "test-gpu", "test-browser"):
+    for job in ("tour", "test", "lab", "info", "test-gpu", "test-browser", "test-newest"):
         assert f"run.py {job}" in out.stdout
