@@ -117,11 +117,11 @@ def ensure_env(venv_dir: Path = VENV, constraints: str = "constraints.txt") -> P
     Triton is kept and replaces the constraints' pin, which cannot be installed beside it; the
     constraints actually used are written to ``venv_dir/constraints.txt``.
     """
-    py, stamp = _python(venv_dir), venv_dir / ".mm3lab-installed"
+    py, stamp, used = _python(venv_dir), venv_dir / ".mm3lab-installed", venv_dir / "constraints.txt"
     if not py.exists():
         print(f"creating a virtual environment in {venv_dir.name}/", flush=True)
         venv.EnvBuilder(with_pip=True, clear=True).create(venv_dir)
-    if stamp.exists() and stamp.read_text() == _fingerprint(constraints):
+    if stamp.exists() and stamp.read_text() == _fingerprint(constraints) and used.exists():
         return py
     pip = [py, "-m", "pip", "--disable-pip-version-check", "install", "-q"]
     pins = _pins(ROOT / constraints)
@@ -134,7 +134,6 @@ def ensure_env(venv_dir: Path = VENV, constraints: str = "constraints.txt") -> P
             flush=True,
         )
         pins["triton"] = torch_triton.strip()
-    used = venv_dir / "constraints.txt"
     used.write_text("".join(f"{name}=={version}\n" for name, version in pins.items()))
     _run(pip + ["-c", used, "triton"])
     _run(pip + ["-c", used, "-e", ".[test]"])
