@@ -50,9 +50,19 @@ def test_environment_yml_is_conda_forge_python_311():
     assert re.search(r"^\s+- python=3\.11$", text, re.M)
 
 
+def _run_py():
+    spec = importlib.util.spec_from_file_location("run_py", ROOT / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RUN_PY = _run_py()
+
+
 def _pins(name: str) -> dict:
-    lines = (ROOT / name).read_text().splitlines()
-    return dict(line.split("==") for line in lines if "==" in line and not line.startswith("#"))
+    """The pins of a constraints file, read as the set-up reads them."""
+    return RUN_PY._pins(ROOT / name)
 
 
 def test_constraints_pin_packages_the_project_depends_on():
@@ -74,19 +84,13 @@ def test_newest_constraints_test_a_newer_triton_than_the_oldest_supported():
     assert newest["torch"] == oldest["torch"], "one torch for both, so that a failure is Triton's"
 
 
-def _run_py():
-    spec = importlib.util.spec_from_file_location("run_py", ROOT / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_set_up_reads_the_pins_and_asks_torch_for_its_own_triton():
-    run_py = _run_py()
-    assert run_py._pins(ROOT / "constraints.txt") == _pins("constraints.txt")
-    assert set(run_py._pins(ROOT / "constraints.txt")) == {"torch", "triton"}
-    # this environment's torch is a CPU build, which names no Triton: the pinned one stays
-    out = subprocess.run([sys.executable, "-c", run_py._TORCH_TRITON], capture_output=True, text=True, check=True)
+def test_set_up_reads_the_pins_and_asks_torch_for_its_own_triton(tmp_path):
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text("# a comment == not a pin\nTorch == 2.13.0  # the CPU wheel\n\ntriton==3.6.0\n")
+    assert RUN_PY._pins(constraints) == {"torch": "2.13.0", "triton": "3.6.0"}
+    assert set(_pins("constraints.txt")) == {"torch", "triton"}
+    # a CPU build of torch names no Triton (the pinned one stays); a CUDA build names the one it pulled in
+    out = subprocess.run([sys.executable, "-c", RUN_PY._TORCH_TRITON], capture_output=True, text=True, check=True)
     torch_names_triton = any(r.startswith("triton") for r in (importlib.metadata.requires("torch") or []))
     if not torch_names_triton:
         assert out.stdout.strip() == ""
