@@ -98,11 +98,11 @@ _TORCH_TRITON = """
 import importlib.metadata as m, re
 for r in m.requires("torch") or []:
     pin = re.match(r"triton\\s*==\\s*([^;\\s]+)", r)
-    if pin:
-        try:
-            print(m.version("triton") if m.version("triton") == pin.group(1) else "")
-        except m.PackageNotFoundError:
-            pass
+    try:
+        if pin and m.version("triton") == pin.group(1):
+            print(pin.group(1))
+    except m.PackageNotFoundError:
+        pass
 """
 """Prints the Triton version the installed torch pins and pulled in (a PyPI CUDA build does: torch 2.13.0
 wants triton 3.7.1), or nothing (a CPU build names no Triton)."""
@@ -126,14 +126,15 @@ def ensure_env(venv_dir: Path = VENV, constraints: str = "constraints.txt") -> P
     pip = [py, "-m", "pip", "--disable-pip-version-check", "install", "-q"]
     pins = _pins(ROOT / constraints)
     _run(pip + [f"torch=={pins['torch']}"])
-    torch_triton = subprocess.run([py, "-c", _TORCH_TRITON], capture_output=True, text=True, check=True).stdout
-    if torch_triton.strip() and torch_triton.strip() != pins.get("triton"):
+    probe = subprocess.run([py, "-c", _TORCH_TRITON], capture_output=True, text=True, check=True)
+    torch_triton = probe.stdout.strip()
+    if torch_triton and torch_triton != pins.get("triton"):
         print(
-            f"note: this torch {pins['torch']} build requires triton {torch_triton.strip()}; using it instead of "
+            f"note: this torch {pins['torch']} build requires triton {torch_triton}; using it instead of "
             f"the triton {pins.get('triton')} that {constraints} pins",
             flush=True,
         )
-        pins["triton"] = torch_triton.strip()
+        pins["triton"] = torch_triton
     used.write_text("".join(f"{name}=={version}\n" for name, version in pins.items()))
     _run(pip + ["-c", used, "triton"])
     _run(pip + ["-c", used, "-e", ".[test]"])
@@ -179,15 +180,12 @@ def main(argv: list[str]) -> int:
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         cmd = [sys.executable, "-m", "pytest", *GPU_PYTEST_ARGS, *rest]
         return subprocess.run(cmd, check=False, cwd=ROOT, env=env).returncode
-    if job == "test-newest":  # the suite with the newest Triton tested (but the notebook-condition reruns)
-        py = ensure_env(VENV_NEWEST, "constraints-newest.txt")
+    newest = job == "test-newest"  # the suite with the newest Triton tested (but the notebook-condition reruns)
+    py = ensure_env(VENV_NEWEST, "constraints-newest.txt") if newest else ensure_env()
+    if job in ("test", "test-newest"):
         env.setdefault("MPLBACKEND", "Agg")
-        cmd = [py, "-m", "pytest", *NEWEST_PYTEST_ARGS, *rest]
-        return subprocess.run(cmd, check=False, cwd=ROOT, env=env).returncode
-    ensure_env()
-    if job == "test":
-        env.setdefault("MPLBACKEND", "Agg")
-        return subprocess.run([PY, "-m", "pytest", *PYTEST_ARGS, *rest], check=False, cwd=ROOT, env=env).returncode
+        args = NEWEST_PYTEST_ARGS if newest else PYTEST_ARGS
+        return subprocess.run([py, "-m", "pytest", *args, *rest], check=False, cwd=ROOT, env=env).returncode
     if job == "test-browser":
         ensure_browser()
         env.setdefault("OMP_NUM_THREADS", "1")
