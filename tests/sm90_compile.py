@@ -1,0 +1,304 @@
+"""Compile every mm3lab Triton kernel for an H100/H200 (sm_90) on a machine without a GPU.
+
+The interpreter that runs the kernels on CPU accepts programs the GPU compiler rejects
+(``tl.dot`` below its minimum tile, mixed-dtype ``tl.where``, scalar/vector mask types,
+register pressure), and CI has no GPU. This script closes that gap: it runs the public
+entry points on CPU tensors with the launches intercepted, and compiles each launch for
+``GPUTarget("cuda", 90, 32)`` with the specialization (dtypes, constexprs, 16-byte
+alignment, integer 1 / multiple-of-16 cases) that Triton's own launcher would compute.
+Triton's wheel carries ``ptxas``, so the result is a real cubin. Nothing runs: outputs hold
+garbage, and no entry point reads a kernel's output back on the host with validation off.
+
+Run by ``tests/test_sm90_compile.py`` in a subprocess (it must decide the backend before
+``mm3lab`` is imported). By hand: ``python tests/sm90_compile.py [--verbose]``. Exit status 0
+when every launched kernel compiled and every kernel the package launches was covered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.pop("TRITON_INTERPRET", None)
+torch.cuda.is_available = lambda: True  # the compiled backend's host paths, with CPU tensors
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler.compiler import make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+import mm3lab  # noqa: E402  (after the patch: the backend is "triton", kernels are not interpreted)
+from mm3lab import _valcheck, backend  # noqa: E402
+from mm3lab.attention import kernel as attention_kernel  # noqa: E402
+from mm3lab.msa import recorded  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+H200_SMS = 132
+PACKAGE = Path(mm3lab.__file__).parent
+
+_backend = make_backend(TARGET)
+_binders: dict = {}
+compiled: dict = {}  # (kernel name, specialization, options) -> compiled kernel
+failures: list = []
+
+
+def _compile_launch(self, *args, grid, warmup, **kwargs):
+    """``JITFunction.run`` replaced: bind as the GPU launcher would, compile for sm_90, launch nothing."""
+    kwargs["debug"] = kwargs.get("debug", self.debug) or triton.knobs.runtime.debug
+    kwargs["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
+    binder = _binders.get(self)
+    if binder is None:
+        binder = _binders[self] = create_function_from_signature(self.signature, self.params, _backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    key = (self.__name__, str(specialization), str(options))
+    if key in compiled:
+        return None
+    opts, signature, constexprs, attrs = self._pack_args(_backend, kwargs, bound, specialization, options)
+    start = time.perf_counter()
+    try:
+        kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=TARGET, options=opts.__dict__)
+    except Exception as err:  # reported with its launch, then the run goes on
+        failures.append((self.__name__, {k: v for k, v in bound.items() if signature.get(k) == "constexpr"}, err))
+        compiled[key] = None
+        return None
+    declared = {p.name for p in self.params if p.is_constexpr}
+    named = {self.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
+    compiled[key] = (kernel, time.perf_counter() - start, {k: v for k, v in named.items() if k in declared})
+    return None
+
+
+def _registers(kernel) -> tuple[int, int]:
+    """``(registers, stack bytes)`` per thread of a compiled kernel, from ``cuobjdump -res-usage`` on its cubin
+    (a stack above 0 means spills); ``(-1, -1)`` when the tool is missing."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return -1, -1
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return (int(found.group(1)), int(found.group(2))) if found else (-1, -1)
+
+
+def launched_kernels() -> set[str]:
+    """Names of the ``@triton.jit`` functions the package launches (``name[grid](...)`` in its source)."""
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        jitted = {
+            node.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list)
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Subscript)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in jitted
+            ):
+                names.add(node.func.value.id)
+    return names
+
+
+# ----------------------------------------------------------------------------
+# the calls: model shapes (64 query / 4 KV heads, head dim 128, index dim 128, top-k 16)
+# ----------------------------------------------------------------------------
+
+HQ, HKV, D, DI, TOPK = 64, 4, 128, 128, 16
+FP8 = torch.float8_e4m3fn
+
+
+def _layer(dtype, layout, fp8, batch=2, context=4096, dql=1):
+    g = torch.Generator().manual_seed(0)
+    m = context // 128 + 1
+    blocks = batch * m + 2
+    cache = mm3lab.allocate_kv_cache(blocks, HKV, D, layout, dtype=FP8 if fp8 else dtype)
+    index_cache = mm3lab.allocate_index_cache(blocks, DI, dtype=FP8 if fp8 else dtype)
+    n = batch * dql
+    return dict(
+        q=torch.randn(n, HQ, D, generator=g).to(dtype),
+        key=torch.randn(n, HKV, D, generator=g).to(dtype),
+        value=torch.randn(n, HKV, D, generator=g).to(dtype),
+        index_q=torch.randn(n, HKV, DI, generator=g).to(dtype),
+        index_k=torch.randn(n, DI, generator=g).to(dtype),
+        k_cache=cache.k_cache,
+        v_cache=cache.v_cache,
+        index_cache=index_cache,
+        block_table=torch.randperm(blocks, generator=g)[: batch * m].view(batch, m).to(torch.int32),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32),
+        index_scale=mm3lab.allocate_index_scale(blocks) if fp8 else None,
+        k_scale=cache.k_scale if fp8 else None,
+        v_scale=cache.v_scale if fp8 else None,
+    )
+
+
+def _prefill(inputs, tokens=256):
+    """The layer's inputs as a prefill chunk: ``tokens`` rows of request 0 ending at its last position."""
+    context = int(inputs["seq_lens"][0])
+    out = dict(inputs)
+    for name in ("q", "key", "value", "index_q", "index_k"):
+        t = inputs[name]
+        out[name] = t[:1].expand(tokens, *t.shape[1:]).contiguous()
+    del out["seq_lens"]
+    out["query_req_id"] = torch.zeros(tokens, dtype=torch.int32)
+    out["query_abs_pos"] = torch.arange(context - tokens, context, dtype=torch.int32)
+    return out
+
+
+def run_calls() -> int:
+    """Every public entry point that launches a kernel, over dtypes, layouts and row kinds; returns the call count."""
+    calls = 0
+    for dtype, fp8 in ((torch.bfloat16, False), (torch.float16, False), (torch.float32, False), (torch.bfloat16, True)):
+        for layout in ("dense", "packed"):
+            for dql in (1, 4):  # decode and speculative decode
+                layer = _layer(dtype, layout, fp8, dql=dql)
+                mm3lab.msa_decode(**layer, decode_query_len=dql)
+            layer = _layer(dtype, layout, fp8)
+            chunk = _prefill(layer)
+            mm3lab.msa_prefill(**chunk)
+            calls += 3
+            caches = (layer["k_cache"], layer["v_cache"])
+            scales = dict(k_scale=layer["k_scale"], v_scale=layer["v_scale"])
+            index_scale = layer["index_scale"]
+            selection = (layer["index_q"], layer["index_cache"], layer["block_table"], layer["seq_lens"])
+            for forced in (False, True):
+                mm3lab.index_scores_decode(*selection, forced=forced, index_scale=index_scale)
+            topk_idx = mm3lab.index_topk_decode(*selection, TOPK, index_scale=index_scale)
+            bps = mm3lab.sparse_block_page_stride(*caches)
+            mm3lab.build_sparse_block_table_decode(topk_idx, layer["block_table"], layer["seq_lens"], 1, bps)
+            rows = (chunk["query_req_id"], chunk["query_abs_pos"])
+            chunk_selection = (chunk["index_q"], layer["index_cache"], layer["block_table"], *rows)
+            chunk_idx = mm3lab.index_topk_prefill(*chunk_selection, TOPK, index_scale=index_scale)
+            mm3lab.build_sparse_block_table_prefill(chunk_idx, layer["block_table"], *rows, bps)
+            mm3lab.insert_index_cache(layer["index_k"], layer["index_cache"], torch.arange(2), index_scale=index_scale)
+            calls += 6
+            for q in (layer["q"], chunk["q"]):  # a decode batch and a prefill chunk
+                sparse_bt = torch.zeros(HKV, q.shape[0], TOPK * 8, dtype=torch.int32)
+                sparse_ctx = torch.full((HKV, q.shape[0]), TOPK * 128, dtype=torch.int32)
+                for algorithm in ("rows", "tiled"):
+                    for return_lse in (False, True):
+                        mm3lab.sparse_attention(
+                            q, *caches, sparse_bt, sparse_ctx, algorithm=algorithm, return_lse=return_lse, **scales
+                        )
+                        calls += 1
+    return calls
+
+
+def run_value_checks() -> int:
+    """The fused value-check kernel over every segment kind (validation reads a GPU tensor's values)."""
+    Segment = _valcheck.Segment
+
+    def ids(*shape, dtype=torch.int32):
+        return torch.zeros(*shape, dtype=dtype)
+
+    sets = [
+        [
+            Segment("all", ids(5, 7), lo=0, hi=3, modulus=4, mod_limit=1),
+            Segment("live", ids(9, dtype=torch.int64), lo=-1, aux=ids(9)),
+            Segment("gather", ids(4, 6), hi=50, aux=ids(9), pos=ids(9), unit=128),
+            Segment("len", ids(2, 3, 7), lo=0, hi=9, aux=ids(2, 3), unit=16),
+        ],
+        [
+            Segment(
+                "gather_last",
+                ids(4, 6, dtype=torch.int64),
+                lo=0,
+                hi=100,
+                aux=ids(9),
+                pos=ids(9, dtype=torch.int64),
+                unit=128,
+                modulus=8,
+                mod_limit=2,
+            ),
+        ],
+    ]
+    flags = ids(2 * _valcheck.MAX_SEGMENTS)
+    for segments in sets:
+        _valcheck._run_kernel(segments, flags)
+    return len(sets)
+
+
+@triton.jit
+def _square(x_ptr, y_ptr, B: tl.constexpr):
+    """``y = x @ x`` for one ``[B, B]`` tile: the interpreter runs it for any B, sm_90 needs ``B >= 16``."""
+    i = tl.arange(0, B)
+    tile = i[:, None] * B + i[None, :]
+    a = tl.load(x_ptr + tile)
+    tl.store(y_ptr + tile, tl.dot(a, a))
+
+
+def self_test() -> int:
+    """The check catches what the interpreter lets through: an 8 x 8 ``tl.dot`` fails, 16 x 16 compiles."""
+    for b in (8, 16):
+        x = torch.zeros(b, b, dtype=torch.float16)
+        _square[(1,)](x, x, B=b)
+    failed = [constexprs["B"] for name, constexprs, _ in failures if name == "_square"]
+    built = [c["B"] for (name, _, _), value in compiled.items() if name == "_square" and value for c in [value[2]]]
+    print(f"self-test: failed for B={failed}, compiled for B={built}")
+    return 0 if failed == [8] and built == [16] else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true", help="one line per compiled specialization")
+    parser.add_argument("--self-test", action="store_true", help="only show that a kernel sm_90 rejects fails here")
+    args = parser.parse_args()
+    if backend.INTERPRETER:
+        print("the interpreter is on in this process (TRITON_INTERPRET=1 was set before import)", file=sys.stderr)
+        return 2
+    JITFunction.run = _compile_launch
+    attention_kernel._device_programs = lambda device: H200_SMS  # split decisions as on an H200
+    recorded.ENABLED = False  # the one-shot replay path needs real launches
+    original_use_kernel = backend.use_kernel
+    backend.use_kernel = lambda *tensors, **kw: original_use_kernel(**kw)  # CPU tensors take the kernel path
+    if args.self_test:
+        return self_test()
+    start = time.perf_counter()
+    with mm3lab.validation(False):  # value checks would read kernel outputs (garbage here) on the host
+        calls = run_calls() + run_value_checks()
+    elapsed = time.perf_counter() - start
+    per_kernel: dict = {}  # name -> [(registers, stack bytes, shared bytes, seconds, constexprs)]
+    for (name, _, _), value in compiled.items():
+        if value is not None:
+            kernel, seconds, constexprs = value
+            per_kernel.setdefault(name, []).append((*_registers(kernel), kernel.metadata.shared, seconds, constexprs))
+    missing = sorted(launched_kernels() - {name for name, _, _ in compiled})
+    print(f"triton {triton.__version__}, target {TARGET.backend} sm_{TARGET.arch}: {calls} calls")
+    for name, found in sorted(per_kernel.items()):
+        regs, stack, shared = (max(f[i] for f in found) for i in range(3))
+        print(f"  {name}: {len(found)} specializations; at most {regs} registers, {stack} B stack, {shared} B shared")
+        if args.verbose:
+            for r, st, _, seconds, constexprs in found:
+                print(f"    {seconds:5.2f} s  {r:3d} registers {st:5d} B stack  {constexprs}")
+    print(f"{sum(map(len, per_kernel.values()))} specializations compiled in {elapsed:.0f} s")
+    spills: dict = {}  # (name, constexprs) -> [stack bytes of each specialization]: layouts differ in strides only
+    for name, found in sorted(per_kernel.items()):
+        for f in found:
+            if f[1] > 0:
+                spills.setdefault((name, str(f[4])), []).append(f[1])
+    if spills:
+        print(f"{sum(map(len, spills.values()))} of them spill registers to the stack (slower, not wrong):")
+        for (name, constexprs), stacks in spills.items():
+            print(f"  {name} x{len(stacks)}, up to {max(stacks)} B: {constexprs}")
+    for name, constexprs, err in failures:
+        print(f"FAILED {name} {constexprs}: {type(err).__name__}: {err}")
+    if missing:
+        print(f"NOT COVERED (launched by the package, never compiled here): {', '.join(missing)}")
+    return 1 if failures or missing or not per_kernel else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
