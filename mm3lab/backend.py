@@ -33,6 +33,7 @@ not a fallback.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import platform
@@ -54,6 +55,8 @@ FALLBACK_RULES = {
     "(the kernel holds a row's ids in registers)",
     "tile-prepass-interpreter": "the tiled prefill's pre-pass under Triton's interpreter: the PyTorch pre-pass "
     "(the same tables; the interpreter's sort is slow); the attention itself stays the kernel",
+    "fp8-unsupported-gpu": "an FP8 cache on a GPU without FP8 (compute capability below 8.9: A100, RTX 30xx, A10, "
+    "A40): the PyTorch path, which dequantizes (Triton has no float8_e4m3fn there)",
 }
 """Every rule by which a kernel entry point runs PyTorch instead (SPEC 7): name -> what and why."""
 
@@ -137,11 +140,51 @@ def use_kernel(*tensors: torch.Tensor, entry_point: str | None = None, fallback:
         return False
     if _backend == "triton" and not all(t.is_cuda for t in tensors):
         fallback = "cpu-tensors"
+    elif fallback is None and _backend == "triton":
+        fallback = fp8_unsupported(*tensors)
     if fallback is None:
         return True
     if entry_point is not None:
         fallback_taken(entry_point, fallback)
     return False
+
+
+FP8_CAPABILITY = (8, 9)
+"""The first CUDA compute capability with float8_e4m3fn (Ada; Hopper is 9.0): Triton compiles FP8 from here up."""
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def fp8_unsupported(*tensors: torch.Tensor) -> str | None:
+    """``"fp8-unsupported-gpu"`` when one of ``tensors`` is a float8_e4m3fn CUDA tensor on a GPU below
+    :data:`FP8_CAPABILITY`, else None."""
+    for t in tensors:
+        if t.dtype == torch.float8_e4m3fn and t.is_cuda and _capability(_index(t.device)) < FP8_CAPABILITY:
+            return "fp8-unsupported-gpu"
+    return None
+
+
+@functools.cache
+def _shared_memory(index: int) -> int:
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def shared_memory_per_program(device: torch.device) -> int | None:
+    """Bytes of shared memory one compiled program may use on ``device`` (the opt-in limit a launch is checked
+    against: 227 KiB on an H100/H200, 163 KiB on an A100, 99 KiB on RTX 30xx/40xx, A10, L4, L40S); ``None``
+    where kernels are interpreted or the device is no GPU (no limit)."""
+    if INTERPRETER or device.type != "cuda":
+        return None
+    return _shared_memory(_index(device))
 
 
 def bf16_interpreted(dtype: torch.dtype) -> str | None:

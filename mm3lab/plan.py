@@ -46,7 +46,8 @@ dtype is not the cache's: ``query_dtype=`` (default bfloat16) fixes the dtype of
 ``key``, ``value`` (FP8 KV cache) and of ``index_q``, ``index_k`` (FP8 index cache).
 
 On a backend where a step takes the PyTorch path (``mm3lab.set_backend("torch")``,
-bfloat16 in the interpreter, float32 with more than 16 index heads on a GPU), ``run``
+bfloat16 in the interpreter, float32 with more than 16 index heads on a GPU, an FP8 cache on
+a GPU without FP8), ``run``
 calls the one-shot function (same answer, allocations included) and ``graph=True`` is
 rejected at construction. On the CPU, ``graph=True`` is rejected too: there are no CUDA
 graphs to capture.

@@ -274,3 +274,58 @@ def test_launch_arithmetic_matches_tritons():
     for x in values[::7]:
         for y in (1, 2, 3, 16, 128, 1000):
             assert cdiv(x, y) == triton.cdiv(x, y), (x, y)
+
+
+class _FakeCudaTensor:
+    """What :func:`mm3lab.backend.fp8_unsupported` reads of a tensor, for a GPU this machine may not have."""
+
+    def __init__(self, dtype):
+        self.dtype, self.is_cuda, self.device = dtype, True, torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    "capability, dtype, rule",
+    [
+        ((8, 0), torch.float8_e4m3fn, "fp8-unsupported-gpu"),  # A100
+        ((8, 6), torch.float8_e4m3fn, "fp8-unsupported-gpu"),  # RTX 30xx, A10, A40
+        ((8, 9), torch.float8_e4m3fn, None),  # RTX 40xx, L4, L40S
+        ((9, 0), torch.float8_e4m3fn, None),  # H100, H200
+        ((8, 0), torch.bfloat16, None),
+    ],
+)
+def test_fp8_caches_take_the_pytorch_path_below_capability_8_9(monkeypatch, capability, dtype, rule):
+    monkeypatch.setattr(backend, "_capability", lambda index: capability)
+    assert backend.fp8_unsupported(torch.zeros(1), _FakeCudaTensor(dtype)) == rule
+    assert backend.fp8_unsupported(torch.zeros(1, dtype=torch.float8_e4m3fn)) is None  # CPU: the interpreter's
+    assert "fp8-unsupported-gpu" in backend.FALLBACK_RULES
+
+
+def test_shared_memory_has_no_limit_off_a_gpu():
+    assert backend.shared_memory_per_program(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize(
+    "limit, float32_stages",
+    [(None, 2), (232448, 2), (166912, 2), (101376, 1)],  # interpreter, H100/H200, A100, RTX 40xx / L40S
+)
+def test_float32_attention_stages_fit_the_gpus_shared_memory(monkeypatch, limit, float32_stages):
+    from mm3lab.attention.kernel import pipeline_stages
+
+    monkeypatch.setattr(backend, "shared_memory_per_program", lambda device: limit)
+    assert pipeline_stages(torch.float32, torch.device("cpu")) == float32_stages
+    assert pipeline_stages(torch.bfloat16, torch.device("cpu")) == 2  # 72 KiB: fits every GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_this_gpus_shared_memory_and_fp8_are_read():
+    from mm3lab.attention.kernel import FLOAT32_TWO_STAGES_SHARED, pipeline_stages
+
+    device = torch.device("cuda")
+    limit = backend.shared_memory_per_program(device)
+    assert limit >= 48 * 1024
+    want = 2 if limit >= FLOAT32_TWO_STAGES_SHARED else 1
+    assert pipeline_stages(torch.float32, device) == want
+    fp8 = torch.zeros(1, dtype=torch.float8_e4m3fn, device=device)
+    expected = None if torch.cuda.get_device_capability() >= backend.FP8_CAPABILITY else "fp8-unsupported-gpu"
+    assert backend.fp8_unsupported(fp8) == expected

@@ -338,6 +338,21 @@ def launch_config(n_rows: int, hq: int, hkv: int, d: int, width: int, device: to
     return {"BLOCK_N": block_n, "num_splits": splits}
 
 
+FLOAT32_TWO_STAGES_SHARED = 147456
+"""Shared memory the per-row and the tiled kernel take with float32 tiles at 2 pipeline stages (head dim 128),
+read from their compiled sm_80 / sm_89 / sm_90 binaries (``tests/sm90_compile.py``); at 1 stage, 82 KB.
+The half-precision and FP8 kernels take at most 74 KB at 2 stages."""
+
+
+def pipeline_stages(dtype: torch.dtype, device: torch.device) -> int:
+    """Pipeline stages of the attention kernels' K/V loads: 2, or 1 for float32 on a GPU that gives a program
+    less shared memory than two float32 stages take (RTX 30xx/40xx, A10, L4, L40S: 99 KiB)."""
+    limit = backend.shared_memory_per_program(device)
+    if dtype == torch.float32 and limit is not None and limit < FLOAT32_TWO_STAGES_SHARED:
+        return 1
+    return 2
+
+
 def num_splits(n_rows: int, hq: int, hkv: int, d: int, width: int, device: torch.device) -> int:
     """Splits :func:`sparse_attention_kernel` launches with its default heuristic (1: no partials)."""
     cfg = launch_config(n_rows, hq, hkv, d, width, device)
@@ -395,7 +410,7 @@ def sparse_attention_kernel(
         INTERPRETED=backend.INTERPRETER,
         FP8=k_scale is not None,
         num_warps=4,
-        num_stages=2,
+        num_stages=pipeline_stages(q.dtype, q.device),
     )
     ks, vs = (k_scale, v_scale) if k_scale is not None else (sparse_bt, sparse_bt)  # never read without FP8
     args = (

@@ -46,7 +46,7 @@ from .. import backend
 from .._grid import next_power_of_2
 from ..constants import PAGE_SIZE
 from .checks import readable_pages
-from .kernel import LOG2E, _attend_row, _clamp_ctx, _finish, _online_softmax
+from .kernel import LOG2E, _attend_row, _clamp_ctx, _finish, _online_softmax, pipeline_stages
 
 TILE_QUERY_VECTORS, TILE_PAGES, TILE_WARPS, TILE_STAGES = 64, 4, 4, 2
 """The tile's default shape: query vectors per program, union pages per step, warps, pipeline stages
@@ -667,7 +667,7 @@ def tiled_attention_kernel(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=backend.INTERPRETER,
         num_warps=num_warps or cfg["num_warps"],
-        num_stages=num_stages or cfg["num_stages"],
+        num_stages=num_stages or min(cfg["num_stages"], pipeline_stages(q.dtype, q.device)),
     )
 
 

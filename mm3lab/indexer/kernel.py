@@ -404,6 +404,14 @@ suite at batch 64, 128K on the H200, bf16 keys are fastest with 5 (0.48 ms; 2 to
 6 to 10% slower); with FP8 keys, paired, 2 to 6 stages lie within 7% of each other (0.27 to
 0.29 ms) and the order changes from run to run."""
 
+FLOAT32_STAGES = 2
+"""Key tiles in flight for float32 keys on a GPU that gives a program less shared memory than
+:data:`FLOAT32_DEFAULT_SHARED` (RTX 30xx/40xx, A10, L4, L40S: 99 KiB); 74 KB at the model's shapes."""
+FLOAT32_DEFAULT_SHARED = 139336
+"""Shared memory the scoring kernel takes with float32 keys at the default 5 stages (index dim 128), read
+from its compiled sm_80 / sm_89 / sm_90 binaries (``tests/sm90_compile.py``); bf16 and FP8 keys take at
+most 70 KB."""
+
 
 def index_scores_kernel(
     index_q,
@@ -450,7 +458,11 @@ def index_scores_kernel(
     group = n if prefill else dql
     fp8 = index_scale is not None
     tok_m = fp8 if tok_m is None else tok_m
-    num_stages = num_stages or DEFAULT_STAGES["fp8" if fp8 else "bf16"]
+    if num_stages is None:
+        num_stages = DEFAULT_STAGES["fp8" if fp8 else "bf16"]
+        limit = backend.shared_memory_per_program(index_q.device)
+        if index_q.dtype == torch.float32 and not fp8 and limit is not None and limit < FLOAT32_DEFAULT_SHARED:
+            num_stages = FLOAT32_STAGES
     if block_q is None:
         block_q = max(1, min(next_power_of_2(group), 64 // block_h))
         # FP8 tokens x lanes, 8 lanes or fewer: the hi and lo parts share one 16-column dot

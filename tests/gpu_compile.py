@@ -1,17 +1,21 @@
-"""Compile every mm3lab Triton kernel for an H100/H200 (sm_90) on a machine without a GPU.
+"""Compile every mm3lab Triton kernel for a GPU architecture, on a machine without a GPU.
 
-The interpreter that runs the kernels on CPU accepts programs the GPU compiler rejects
-(``tl.dot`` below its minimum tile, mixed-dtype ``tl.where``, scalar/vector mask types,
-register pressure), and CI has no GPU. This script closes that gap: it runs the public
-entry points on CPU tensors with the launches intercepted, and compiles each launch for
-``GPUTarget("cuda", 90, 32)`` with the specialization (dtypes, constexprs, 16-byte
-alignment, integer 1 / multiple-of-16 cases) that Triton's own launcher would compute.
-Triton's wheel carries ``ptxas``, so the result is a real cubin. Nothing runs: outputs hold
+The interpreter that runs the kernels on CPU accepts programs that a GPU rejects: a
+``tl.dot`` tile below 16 (see ``--self-test``), ``float8_e4m3fn`` below compute capability
+8.9, a program that needs more shared memory than the GPU gives one. CI has no GPU. This
+script closes that gap: it runs the public entry points on CPU tensors with the launches
+intercepted, and compiles each launch for ``GPUTarget("cuda", arch, 32)`` with the
+specialization (dtypes, constexprs, 16-byte alignment, integer 1 / multiple-of-16 cases)
+that Triton's own launcher would compute, and with the launch configuration the package
+picks for that GPU's shared memory (:data:`SHARED_MEMORY`). Triton's wheel carries
+``ptxas``, so the result is a real binary; a specialization fails if it does not compile or
+needs more shared memory than the architecture gives a program. Nothing runs: outputs hold
 garbage, and no entry point reads a kernel's output back on the host with validation off.
 
-Run by ``tests/test_sm90_compile.py`` in a subprocess (it must decide the backend before
-``mm3lab`` is imported). By hand: ``python tests/sm90_compile.py [--verbose]``. Exit status 0
-when every launched kernel compiled and every kernel the package launches was covered.
+Run by ``tests/test_gpu_compile.py`` in a subprocess (it must decide the backend before
+``mm3lab`` is imported). By hand: ``python tests/gpu_compile.py [--arch 90] [--dtypes ...]
+[--verbose]``. Exit status 0 when every launched kernel compiled and fits, and every kernel
+the package launches was covered.
 """
 
 from __future__ import annotations
@@ -43,10 +47,21 @@ from mm3lab import _valcheck, backend  # noqa: E402
 from mm3lab.attention import kernel as attention_kernel  # noqa: E402
 from mm3lab.msa import recorded  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
+SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+"""Shared memory one program may use (bytes, the opt-in limit) on each architecture checked: A100; RTX 30xx,
+A10, A40; RTX 40xx, L4, L40S; H100, H200."""
+INPUTS = {
+    "bf16": (torch.bfloat16, False),
+    "fp16": (torch.float16, False),
+    "fp32": (torch.float32, False),
+    "fp8": (torch.bfloat16, True),  # bf16 inputs, FP8 index and KV caches
+}
+"""``--dtypes`` name -> (the inputs' dtype, FP8 caches)."""
+DTYPES = tuple(INPUTS)
 H200_SMS = 132
 PACKAGE = Path(mm3lab.__file__).parent
 
+TARGET = GPUTarget("cuda", 90, 32)  # (main() sets the one asked for)
 _backend = make_backend(TARGET)
 _binders: dict = {}
 compiled: dict = {}  # (kernel name, specialization, options) -> compiled kernel
@@ -74,7 +89,11 @@ def _compile_launch(self, *args, grid, warmup, **kwargs):
         return None
     declared = {p.name for p in self.params if p.is_constexpr}
     named = {self.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
-    compiled[key] = (kernel, time.perf_counter() - start, {k: v for k, v in named.items() if k in declared})
+    constexprs = {k: v for k, v in named.items() if k in declared}
+    compiled[key] = (kernel, time.perf_counter() - start, constexprs)
+    if kernel.metadata.shared > SHARED_MEMORY[TARGET.arch]:
+        limit = f"sm_{TARGET.arch} gives a program {SHARED_MEMORY[TARGET.arch]}"
+        failures.append((self.__name__, constexprs, f"needs {kernel.metadata.shared} B of shared memory; {limit}"))
     return None
 
 
@@ -158,10 +177,11 @@ def _prefill(inputs, tokens=256):
     return out
 
 
-def run_calls() -> int:
+def run_calls(dtypes) -> int:
     """Every public entry point that launches a kernel, over dtypes, layouts and row kinds; returns the call count."""
     calls = 0
-    for dtype, fp8 in ((torch.bfloat16, False), (torch.float16, False), (torch.float32, False), (torch.bfloat16, True)):
+    for name in dtypes:
+        dtype, fp8 = INPUTS[name]
         for layout in ("dense", "packed"):
             for dql in (1, 4):  # decode and speculative decode
                 layer = _layer(dtype, layout, fp8, dql=dql)
@@ -255,12 +275,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verbose", action="store_true", help="one line per compiled specialization")
     parser.add_argument("--self-test", action="store_true", help="only show that a kernel sm_90 rejects fails here")
+    parser.add_argument("--arch", type=int, choices=sorted(SHARED_MEMORY), default=90, help="compute capability x 10")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=DTYPES, help="the inputs' dtypes (fp8: caches)")
     args = parser.parse_args()
+    global TARGET, _backend
+    TARGET = GPUTarget("cuda", args.arch, 32)
+    _backend = make_backend(TARGET)
+    dtypes = [d for d in args.dtypes if d != "fp8" or args.arch >= 89]  # below 8.9: FP8 takes the PyTorch path
     if backend.INTERPRETER:
         print("the interpreter is on in this process (TRITON_INTERPRET=1 was set before import)", file=sys.stderr)
         return 2
     JITFunction.run = _compile_launch
     attention_kernel._device_programs = lambda device: H200_SMS  # split decisions as on an H200
+    backend.shared_memory_per_program = lambda device: SHARED_MEMORY[args.arch]  # launch configs for that GPU
     recorded.ENABLED = False  # the one-shot replay path needs real launches
     original_use_kernel = backend.use_kernel
     backend.use_kernel = lambda *tensors, **kw: original_use_kernel(**kw)  # CPU tensors take the kernel path
@@ -268,7 +295,7 @@ def main() -> int:
         return self_test()
     start = time.perf_counter()
     with mm3lab.validation(False):  # value checks would read kernel outputs (garbage here) on the host
-        calls = run_calls() + run_value_checks()
+        calls = run_calls(dtypes) + run_value_checks()
     elapsed = time.perf_counter() - start
     per_kernel: dict = {}  # name -> [(registers, stack bytes, shared bytes, seconds, constexprs)]
     for (name, _, _), value in compiled.items():
@@ -276,13 +303,13 @@ def main() -> int:
             kernel, seconds, constexprs = value
             per_kernel.setdefault(name, []).append((*_registers(kernel), kernel.metadata.shared, seconds, constexprs))
     missing = sorted(launched_kernels() - {name for name, _, _ in compiled})
-    print(f"triton {triton.__version__}, target {TARGET.backend} sm_{TARGET.arch}: {calls} calls")
+    print(f"triton {triton.__version__}, target {TARGET.backend} sm_{TARGET.arch}, {' '.join(dtypes)}: {calls} calls")
     for name, found in sorted(per_kernel.items()):
         regs, stack, shared = (max(f[i] for f in found) for i in range(3))
         print(f"  {name}: {len(found)} specializations; at most {regs} registers, {stack} B stack, {shared} B shared")
         if args.verbose:
-            for r, st, _, seconds, constexprs in found:
-                print(f"    {seconds:5.2f} s  {r:3d} registers {st:5d} B stack  {constexprs}")
+            for r, st, sh, seconds, constexprs in found:
+                print(f"    {seconds:5.2f} s  {r:3d} registers {st:5d} B stack {sh:6d} B shared  {constexprs}")
     print(f"{sum(map(len, per_kernel.values()))} specializations compiled in {elapsed:.0f} s")
     spills: dict = {}  # (name, constexprs) -> [stack bytes of each specialization]: layouts differ in strides only
     for name, found in sorted(per_kernel.items()):
@@ -294,7 +321,8 @@ def main() -> int:
         for (name, constexprs), stacks in spills.items():
             print(f"  {name} x{len(stacks)}, up to {max(stacks)} B: {constexprs}")
     for name, constexprs, err in failures:
-        print(f"FAILED {name} {constexprs}: {type(err).__name__}: {err}")
+        why = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+        print(f"FAILED {name} {constexprs}: {why}")
     if missing:
         print(f"NOT COVERED (launched by the package, never compiled here): {', '.join(missing)}")
     return 1 if failures or missing or not per_kernel else 0
