@@ -82,6 +82,9 @@ def test_info_keys():
         "backend",
         "triton_interpreter",
         "available_backends",
+        "compute_capability",
+        "shared_memory_per_program",
+        "fp8_kernels",
     ):
         assert key in data, key
     assert data["backend"] == mm3lab.get_backend()
