@@ -47,9 +47,9 @@ from mm3lab import _valcheck, backend  # noqa: E402
 from mm3lab.attention import kernel as attention_kernel  # noqa: E402
 from mm3lab.msa import recorded  # noqa: E402
 
-SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
-"""Shared memory one program may use (bytes, the opt-in limit) on each architecture checked: A100; RTX 30xx,
-A10, A40; RTX 40xx, L4, L40S; H100, H200."""
+SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+"""Shared memory one program may use (bytes, the opt-in limit) on each architecture: sm_80 A100; sm_86 RTX 30xx,
+A10, A40; sm_89 RTX 40xx, L4, L40S; sm_90 H100, H200; sm_100 B200; sm_120 RTX 50xx."""
 INPUTS = {
     "bf16": (torch.bfloat16, False),
     "fp16": (torch.float16, False),
