@@ -609,3 +609,24 @@ def test_bad_value_found_by_the_check_kernel(case):
         e.fn(*args.values(), **kwargs)
     assert case.names in str(info.value), f"message does not name {case.names!r}: {info.value}"
     assert _snapshot(buffers) == before, "a rejected call changed a buffer it was given"
+
+
+LAYER_CASES = [c for c in CASES if c.entry in MSA]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=[c.id for c in LAYER_CASES])
+def test_a_bad_layer_call_after_a_good_one_is_still_rejected(case):
+    """The MSA layer skips the structural checks of a call shape that passed (``mm3lab._checks.PassedChecks``):
+    a bad call right after a good one with the same caches and inputs still gets its own error, unwritten."""
+    e = ENTRY[case.entry]
+    layer = _layer("cpu", nan_caches=case.nan_caches)
+    args = {name: layer[name] for name in e.args}
+    kwargs = dict(e.kwargs)
+    e.fn(*args.values(), **kwargs)  # passes: its call shape is remembered
+    case.spoil(args, kwargs, "cpu")
+    buffers = [args[name] for name in e.buffers if isinstance(args.get(name), torch.Tensor)]
+    before = _snapshot(buffers)
+    with pytest.raises(case.exc) as info:
+        e.fn(*args.values(), **kwargs)
+    assert case.names in str(info.value), f"message does not name {case.names!r}: {info.value}"
+    assert _snapshot(buffers) == before, "a rejected call changed a buffer it was given"
