@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import os
 import re
 import subprocess
 import sys
@@ -32,20 +31,18 @@ from pathlib import Path
 
 import torch
 
-os.environ.pop("TRITON_INTERPRET", None)
-torch.cuda.is_available = lambda: True  # the compiled backend's host paths, with CPU tensors
+from benchmarks import offline  # (first: mm3lab takes its compiled-kernel paths, on CPU tensors)
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.compiler.compiler import make_backend  # noqa: E402
-from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+# isort: split
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
 
-import mm3lab  # noqa: E402  (after the patch: the backend is "triton", kernels are not interpreted)
-from mm3lab import _valcheck, backend  # noqa: E402
-from mm3lab.attention import kernel as attention_kernel  # noqa: E402
-from mm3lab.msa import recorded  # noqa: E402
+import mm3lab
+from mm3lab import _valcheck
 
 SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 """Shared memory one program may use (bytes, the opt-in limit) on each architecture: sm_80 A100; sm_86 RTX 30xx,
@@ -58,7 +55,6 @@ INPUTS = {
 }
 """``--dtypes`` name -> (the inputs' dtype, FP8 caches)."""
 DTYPES = tuple(INPUTS)
-H200_SMS = 132
 PACKAGE = Path(mm3lab.__file__).parent
 
 TARGET = GPUTarget("cuda", 90, 32)  # (main() sets the one asked for)
@@ -136,45 +132,7 @@ def launched_kernels() -> set[str]:
 # the calls: model shapes (64 query / 4 KV heads, head dim 128, index dim 128, top-k 16)
 # ----------------------------------------------------------------------------
 
-HQ, HKV, D, DI, TOPK = 64, 4, 128, 128, 16
-FP8 = torch.float8_e4m3fn
-
-
-def _layer(dtype, layout, fp8, batch=2, context=4096, dql=1):
-    g = torch.Generator().manual_seed(0)
-    m = context // 128 + 1
-    blocks = batch * m + 2
-    cache = mm3lab.allocate_kv_cache(blocks, HKV, D, layout, dtype=FP8 if fp8 else dtype)
-    index_cache = mm3lab.allocate_index_cache(blocks, DI, dtype=FP8 if fp8 else dtype)
-    n = batch * dql
-    return dict(
-        q=torch.randn(n, HQ, D, generator=g).to(dtype),
-        key=torch.randn(n, HKV, D, generator=g).to(dtype),
-        value=torch.randn(n, HKV, D, generator=g).to(dtype),
-        index_q=torch.randn(n, HKV, DI, generator=g).to(dtype),
-        index_k=torch.randn(n, DI, generator=g).to(dtype),
-        k_cache=cache.k_cache,
-        v_cache=cache.v_cache,
-        index_cache=index_cache,
-        block_table=torch.randperm(blocks, generator=g)[: batch * m].view(batch, m).to(torch.int32),
-        seq_lens=torch.full((batch,), context, dtype=torch.int32),
-        index_scale=mm3lab.allocate_index_scale(blocks) if fp8 else None,
-        k_scale=cache.k_scale if fp8 else None,
-        v_scale=cache.v_scale if fp8 else None,
-    )
-
-
-def _prefill(inputs, tokens=256):
-    """The layer's inputs as a prefill chunk: ``tokens`` rows of request 0 ending at its last position."""
-    context = int(inputs["seq_lens"][0])
-    out = dict(inputs)
-    for name in ("q", "key", "value", "index_q", "index_k"):
-        t = inputs[name]
-        out[name] = t[:1].expand(tokens, *t.shape[1:]).contiguous()
-    del out["seq_lens"]
-    out["query_req_id"] = torch.zeros(tokens, dtype=torch.int32)
-    out["query_abs_pos"] = torch.arange(context - tokens, context, dtype=torch.int32)
-    return out
+HQ, HKV, D, DI, TOPK = offline.HQ, offline.HKV, offline.D, offline.DI, offline.TOPK
 
 
 def run_calls(dtypes) -> int:
@@ -184,10 +142,10 @@ def run_calls(dtypes) -> int:
         dtype, fp8 = INPUTS[name]
         for layout in ("dense", "packed"):
             for dql in (1, 4):  # decode and speculative decode
-                layer = _layer(dtype, layout, fp8, dql=dql)
+                layer = offline.model_layer(dtype, layout, fp8, dql=dql)
                 mm3lab.msa_decode(**layer, decode_query_len=dql)
-            layer = _layer(dtype, layout, fp8)
-            chunk = _prefill(layer)
+            layer = offline.model_layer(dtype, layout, fp8)
+            chunk = offline.prefill_chunk(layer)
             mm3lab.msa_prefill(**chunk)
             calls += 3
             caches = (layer["k_cache"], layer["v_cache"])
@@ -282,15 +240,7 @@ def main() -> int:
     TARGET = GPUTarget("cuda", args.arch, 32)
     _backend = make_backend(TARGET)
     dtypes = [d for d in args.dtypes if d != "fp8" or args.arch >= 89]  # below 8.9: FP8 takes the PyTorch path
-    if backend.INTERPRETER:
-        print("the interpreter is on in this process (TRITON_INTERPRET=1 was set before import)", file=sys.stderr)
-        return 2
-    JITFunction.run = _compile_launch
-    attention_kernel._device_programs = lambda device: H200_SMS  # split decisions as on an H200
-    backend.shared_memory_per_program = lambda device: SHARED_MEMORY[args.arch]  # launch configs for that GPU
-    recorded.ENABLED = False  # the one-shot replay path needs real launches
-    original_use_kernel = backend.use_kernel
-    backend.use_kernel = lambda *tensors, **kw: original_use_kernel(**kw)  # CPU tensors take the kernel path
+    offline.install(_compile_launch, shared_memory=SHARED_MEMORY[args.arch])
     if args.self_test:
         return self_test()
     start = time.perf_counter()

@@ -267,3 +267,31 @@ class _no_warning_check:
 
     def __exit__(self, *exc):
         return self._ctx.__exit__(*exc)
+
+
+def test_host_suite_runs_without_a_gpu(tmp_path):
+    """``python3 -m benchmarks.host``: every record, validation on and off, the layer's memo on and off."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "host.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MM3LAB_BACKEND")}
+    env["PYTHONPATH"] = str(root)
+    cmd = [sys.executable, "-m", "benchmarks.host", "--calls", "2", "--samples", "2", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = json.loads(out.read_text())["records"]
+    assert {r["name"] for r in records} == {
+        "sparse_attention",
+        "index_topk_decode",
+        "index_topk_block_table_decode",
+        "msa_decode",
+    }
+    assert all(r["mode"] == "host" and r["us"] > 0 for r in records)
+    layer = [r for r in records if r["name"] == "msa_decode"]
+    both = (True, False)
+    assert {(r["validation"], r["passed_checks"]) for r in layer} == {(v, m) for v in both for m in both}
