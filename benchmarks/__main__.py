@@ -120,6 +120,7 @@ SUITE_WEIGHTS = {
     "msa_decode": 2.0,
     "msa_decode_stages": 3.0,
     "indexer_tuning": 1.0,
+    "indexer_prefill_tuning": 0.5,
 }
 """Relative share of ``--budget`` per suite (a suite not listed: 1). A suite past its share starts no new shape."""
 

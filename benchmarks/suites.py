@@ -806,11 +806,12 @@ SUITES = {
     "msa_decode_stages": "run_msa_decode_stages",
     "fp8": "run_fp8_grid",
     "indexer_tuning": "run_indexer_tuning",
+    "indexer_prefill_tuning": "run_indexer_prefill_tuning",
 }
 """Suite name -> function (its name in this module, or the function itself)."""
 
 from .fp8 import run_fp8_grid  # noqa: E402, F401  (a suite in its own module, named in SUITES)
 from .prefill import run_prefill, run_spec_decode  # noqa: E402, F401  (suites in their own module, named in SUITES)
-from .tuning import run_indexer_tuning  # noqa: E402, F401  (a suite in its own module, named in SUITES)
+from .tuning import run_indexer_prefill_tuning, run_indexer_tuning  # noqa: E402, F401  (suites named in SUITES)
 
 __all__ = ["SUITES", "Shapes", "dry_run_shapes", "model_shapes"]

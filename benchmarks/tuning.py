@@ -1,4 +1,4 @@
-"""The indexer's scoring launch across its tuning knobs (suite ``indexer_tuning``).
+"""The indexer's scoring launch across its tuning knobs (suites ``indexer_tuning``, ``indexer_prefill_tuning``).
 
 At batch 64 and 128K context (the dry run: tiny shapes), with bf16 and with FP8 index keys,
 the scoring kernel (:func:`mm3lab.indexer.kernel.index_scores_kernel`, the launch that reads
@@ -10,16 +10,26 @@ is a CUDA-graph replay over rotating buffer sets (cold L2), median and cv, recor
 ``shape.default`` (the configuration the kernel picks by itself). The baseline of every
 record is the default configuration measured in the same run, so ``speedup`` above 1 names
 a setting that beats the default.
+
+``indexer_prefill_tuning``: the prefill scoring launch of one 4096-token chunk at 32K context
+(the prefill suite's shape) with 4 warps (the default) and with 8, bf16 and FP8 keys. Compiled
+for sm_90 with 4 warps, the prefill tile of 64 query vectors takes all 255 registers a thread
+may have and spills (904 B of stack for bf16 keys, 640 B for FP8); with 8 warps it spills
+24 B and none (``tests/gpu_compile.py --verbose``). Records ``indexer_prefill_config`` with
+``shape.num_warps`` and ``shape.default``, against the default measured in the same run.
 """
 
 from __future__ import annotations
 
 import torch
 
+import mm3lab
+from mm3lab.constants import SPARSE_BLOCK_SIZE
+from mm3lab.fp8 import FP8_DTYPE
 from mm3lab.indexer.kernel import DEFAULT_STAGES, index_scores_kernel
 
-from .common import Context
-from .fp8 import GridProblem, _free, _time
+from .common import Context, num_sets
+from .fp8 import GridProblem, _elt, _fill, _free, _time
 
 STAGES_TRIED = (2, 3, 4, 5, 6)
 ORIENTATIONS = {
@@ -95,4 +105,68 @@ def run_indexer_tuning(ctx: Context) -> None:
                     fallback=None,
                 )
         del p, outs
+        _free(ctx)
+
+
+PREFILL_WARPS = (4, 8)
+"""Warps per program tried for the prefill scoring launch; the first is the kernel's default."""
+
+
+def run_indexer_prefill_tuning(ctx: Context) -> None:
+    """The prefill scoring launch with each of :data:`PREFILL_WARPS`, bf16 and FP8 keys; see the module docstring."""
+    s = ctx.shapes
+    chunk, context = (4096, 32768) if ctx.cuda else (8, 300)
+    dev = ctx.device
+    blocks = -(-context // SPARSE_BLOCK_SIZE)
+    for dtype in (s.dtype_name, "fp8"):
+        if ctx.out_of_time(f"indexer prefill tuning {dtype}"):
+            continue
+        fp8 = dtype == "fp8"
+        g = torch.Generator(device=dev).manual_seed(0)
+        index_cache = mm3lab.allocate_index_cache(blocks, s.di, dtype=FP8_DTYPE if fp8 else s.dtype, device=dev)
+        index_scale = mm3lab.allocate_index_scale(blocks, device=dev) if fp8 else None
+        _fill(ctx, index_cache, index_scale, g)
+        block_table = torch.randperm(blocks, generator=g, device=dev).view(1, blocks).to(torch.int32)
+        req = torch.zeros(chunk, dtype=torch.int32, device=dev)
+        pos = torch.arange(context - chunk, context, dtype=torch.int32, device=dev)
+        q_bytes = chunk * s.hkv * s.di * _elt(s.dtype) + s.hkv * chunk * blocks * 4  # index_q and the scores
+        sets = num_sets(q_bytes) if ctx.cuda else 2
+        qs = [torch.randn(chunk, s.hkv, s.di, generator=g, device=dev, dtype=s.dtype) for _ in range(sets)]
+        outs = [torch.empty(s.hkv, chunk, blocks, device=dev) for _ in range(sets)]
+
+        rows = (block_table, req, pos)
+
+        def fns(num_warps, qs=qs, outs=outs, index_cache=index_cache, index_scale=index_scale, rows=rows):
+            return [
+                lambda q=q, out=out: index_scores_kernel(
+                    q, index_cache, *rows, 1, True, 0, 1, True, out, index_scale=index_scale, num_warps=num_warps
+                )
+                for q, out in zip(qs, outs, strict=True)
+            ]
+
+        base = _time(ctx, fns(PREFILL_WARPS[0]))
+        for num_warps in PREFILL_WARPS:
+            t = base if num_warps == PREFILL_WARPS[0] else _time(ctx, fns(num_warps))
+            shape = {
+                "chunk": chunk,
+                "context": context,
+                "dtype": dtype,
+                "index_heads": s.hkv,
+                "index_dim": s.di,
+                "num_warps": num_warps,
+                "default": num_warps == PREFILL_WARPS[0],
+            }
+            nbytes = index_cache.numel() * index_cache.element_size() + q_bytes
+            ctx.add(
+                "indexer_prefill_config",
+                shape,
+                t.ms,
+                "default_config",
+                base.ms,
+                nbytes,
+                **t.fields(),
+                validation=None if t.mode == "graph" else False,
+                fallback=None,
+            )
+        del qs, outs, index_cache, index_scale
         _free(ctx)
