@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import subprocess
 import sys
 import venv
@@ -108,6 +109,23 @@ for r in m.requires("torch") or []:
 wants triton 3.7.1), or nothing (a CPU build names no Triton)."""
 
 
+TRITON_PLATFORMS = {"linux": ("x86_64", "aarch64", "arm64")}
+"""Where Triton publishes wheels (``sys.platform`` -> machines): without one, nothing installs."""
+
+
+def check_platform(system: str = sys.platform, machine: str = platform.machine()) -> None:
+    """Exit with directions, before anything is installed, on a machine Triton has no wheel for."""
+    if machine.lower() in TRITON_PLATFORMS.get(system, ()):
+        return
+    sys.exit(
+        f"mm3lab needs Triton, whose wheels are for Linux on x86_64 and aarch64 only; this machine is "
+        f"{system} on {machine}, where pip cannot install it.\n"
+        "Run mm3lab on Linux: in WSL2 on Windows, or in a Linux container (Docker on a Mac runs aarch64 Linux), "
+        "for example\n"
+        '  docker run --rm -it -v "$PWD":/mm3lab -w /mm3lab python:3.12 python3 run.py tour'
+    )
+
+
 def ensure_env(venv_dir: Path = VENV, constraints: str = "constraints.txt") -> Path:
     """Create ``venv_dir`` if missing; (re)install mm3lab and its test extras through ``constraints``
     if out of date. Returns the environment's Python.
@@ -117,6 +135,7 @@ def ensure_env(venv_dir: Path = VENV, constraints: str = "constraints.txt") -> P
     Triton is kept and replaces the constraints' pin, which cannot be installed beside it; the
     constraints actually used are written to ``venv_dir/constraints.txt``.
     """
+    check_platform()
     py, stamp, used = _python(venv_dir), venv_dir / ".mm3lab-installed", venv_dir / "constraints.txt"
     if not py.exists():
         print(f"creating a virtual environment in {venv_dir.name}/", flush=True)

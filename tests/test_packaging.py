@@ -120,3 +120,23 @@ def test_run_py_help_lists_every_job():
     out = subprocess.run([sys.executable, str(ROOT / "run.py"), "help"], capture_output=True, text=True, check=True)
     for job in ("tour", "test", "lab", "info", "test-gpu", "test-browser", "test-newest"):
         assert f"run.py {job}" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "system, machine, ok",
+    [
+        ("linux", "x86_64", True),
+        ("linux", "aarch64", True),
+        ("darwin", "arm64", False),  # macOS: Triton has no wheel
+        ("win32", "AMD64", False),
+        ("linux", "ppc64le", False),
+    ],
+)
+def test_the_set_up_stops_with_directions_where_triton_has_no_wheel(system, machine, ok):
+    if ok:
+        RUN_PY.check_platform(system, machine)
+        return
+    with pytest.raises(SystemExit) as info:
+        RUN_PY.check_platform(system, machine)
+    message = str(info.value.code)
+    assert "Linux" in message and "WSL2" in message and "docker run" in message and machine in message
