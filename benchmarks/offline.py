@@ -74,9 +74,9 @@ H200_SMS = 132
 """The H200's streaming multiprocessors: the entry points' split decisions are the H200's."""
 
 
-def install(launch, *, shared_memory: int | None = None) -> None:
+def install(launch) -> None:
     """Route CPU tensors to the kernel launches and replace every launch by ``launch(kernel, *args, grid=...,
-    warmup=..., **kwargs)``; ``shared_memory``: what the launch configurations see as a program's limit."""
+    warmup=..., **kwargs)``."""
     from triton.runtime.jit import JITFunction
 
     from mm3lab import backend
@@ -87,7 +87,6 @@ def install(launch, *, shared_memory: int | None = None) -> None:
         raise RuntimeError("the interpreter is on in this process (TRITON_INTERPRET=1 was set before mm3lab)")
     JITFunction.run = launch
     attention_kernel._device_programs = lambda device: H200_SMS
-    backend.shared_memory_per_program = lambda device: shared_memory
     recorded.ENABLED = False  # the one-shot replay path needs real launches
     use_kernel = backend.use_kernel
     backend.use_kernel = lambda *tensors, **kw: use_kernel(**kw)  # (CPU tensors would take the PyTorch path)

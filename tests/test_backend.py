@@ -307,28 +307,55 @@ def test_shared_memory_has_no_limit_off_a_gpu():
     assert backend.shared_memory_per_program(torch.device("cpu")) is None
 
 
-@pytest.mark.parametrize(
-    "limit, float32_stages",
-    [(None, 2), (232448, 2), (166912, 2), (101376, 1)],  # interpreter, H100/H200, A100, RTX 40xx / L40S
-)
-def test_float32_attention_stages_fit_the_gpus_shared_memory(monkeypatch, limit, float32_stages):
-    from mm3lab.attention.kernel import pipeline_stages
+class _FakeKernel:
+    """A launchable that, like Triton, refuses a launch needing more shared memory than ``limit``
+    (``per_stage`` bytes per ``num_stages``)."""
 
-    monkeypatch.setattr(backend, "shared_memory_per_program", lambda device: limit)
-    assert pipeline_stages(torch.float32, torch.device("cpu")) == float32_stages
-    assert pipeline_stages(torch.bfloat16, torch.device("cpu")) == 2  # 72 KiB: fits every GPU
+    __name__ = "_fake"
+
+    def __init__(self, limit, per_stage=40_000):
+        self.limit, self.per_stage, self.launched = limit, per_stage, []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_stages, **kwargs):
+            from triton.runtime.errors import OutOfResources
+
+            if num_stages * self.per_stage > self.limit:
+                raise OutOfResources(num_stages * self.per_stage, self.limit, "shared memory")
+            self.launched.append(num_stages)
+
+        return launch
+
+
+@pytest.mark.parametrize("limit, depth", [(232448, 5), (166912, 4), (101376, 2), (60_000, 1)])
+def test_a_launch_comes_down_to_the_depth_that_fits(monkeypatch, limit, depth):
+    from mm3lab import _fit
+
+    monkeypatch.setattr(_fit, "_chosen", {})
+    kernel = _FakeKernel(limit)
+    for _ in range(3):
+        _fit.fitting(kernel, "num_stages", (5, 4, 3, 2, 1))[(1,)](torch.zeros(1), BLOCK=16)
+    assert kernel.launched == [depth] * 3
+    # remembered: later launches of that configuration go straight to it, others start again from the top
+    assert _fit.chosen() == ({} if depth == 5 else {("_fake", "num_stages"): depth})
+    if depth < 5:
+        _fit.fitting(kernel, "num_stages", (5, 4, 3, 2, 1))[(1,)](torch.zeros(1, dtype=torch.float16), BLOCK=16)
+        assert kernel.launched[-1] == depth and len(_fit.chosen()) == 1  # (chosen(): by kernel and option)
+
+
+def test_a_launch_that_fits_at_no_depth_says_why(monkeypatch):
+    from mm3lab import _fit
+
+    monkeypatch.setattr(_fit, "_chosen", {})
+    with pytest.raises(RuntimeError, match="needs 40000 B of shared memory even with num_stages=1"):
+        _fit.fitting(_FakeKernel(30_000), "num_stages", (2, 1))[(1,)](torch.zeros(1))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_this_gpus_shared_memory_and_fp8_are_read():
-    from mm3lab.attention.kernel import FLOAT32_TWO_STAGES_SHARED, pipeline_stages
-
     device = torch.device("cuda")
-    limit = backend.shared_memory_per_program(device)
-    assert limit >= 48 * 1024
-    want = 2 if limit >= FLOAT32_TWO_STAGES_SHARED else 1
-    assert pipeline_stages(torch.float32, device) == want
+    assert backend.shared_memory_per_program(device) >= 48 * 1024
     fp8 = torch.zeros(1, dtype=torch.float8_e4m3fn, device=device)
     expected = None if torch.cuda.get_device_capability() >= backend.FP8_CAPABILITY else "fp8-unsupported-gpu"
     assert backend.fp8_unsupported(fp8) == expected

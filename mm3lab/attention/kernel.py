@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .. import backend
+from .._fit import fitting
 from .._grid import next_power_of_2
 from ..constants import PAGE_SIZE
 from .checks import readable_pages
@@ -260,6 +261,11 @@ def _sparse_attention_fwd(
         tl.store(lse_ptr + l_off + s, lse, mask=g_ok)
 
 
+_FWD = fitting(_sparse_attention_fwd, "num_stages", (2, 1))
+"""The per-row kernel launched with 2 pipeline stages, or 1 where 2 do not fit the GPU's shared memory
+(float32 tiles at head dim 128 take 144 KiB at 2 stages: more than RTX 30xx/40xx, A10, L4, L40S give)."""
+
+
 @triton.jit
 def _merge_splits(
     part_o_ptr,  # [N, Hq, S, D] float32 partial outputs (each normalized by its own sum)
@@ -338,21 +344,6 @@ def launch_config(n_rows: int, hq: int, hkv: int, d: int, width: int, device: to
     return {"BLOCK_N": block_n, "num_splits": splits}
 
 
-FLOAT32_TWO_STAGES_SHARED = 147456
-"""Shared memory the per-row and the tiled kernel take with float32 tiles at 2 pipeline stages (head dim 128),
-read from their compiled sm_80 / sm_89 / sm_90 binaries (``tests/sm90_compile.py``); at 1 stage, 82 KB.
-The half-precision and FP8 kernels take at most 74 KB at 2 stages."""
-
-
-def pipeline_stages(dtype: torch.dtype, device: torch.device) -> int:
-    """Pipeline stages of the attention kernels' K/V loads: 2, or 1 for float32 on a GPU that gives a program
-    less shared memory than two float32 stages take (RTX 30xx/40xx, A10, L4, L40S: 99 KiB)."""
-    limit = backend.shared_memory_per_program(device)
-    if dtype == torch.float32 and limit is not None and limit < FLOAT32_TWO_STAGES_SHARED:
-        return 1
-    return 2
-
-
 def num_splits(n_rows: int, hq: int, hkv: int, d: int, width: int, device: torch.device) -> int:
     """Splits :func:`sparse_attention_kernel` launches with its default heuristic (1: no partials)."""
     cfg = launch_config(n_rows, hq, hkv, d, width, device)
@@ -410,7 +401,6 @@ def sparse_attention_kernel(
         INTERPRETED=backend.INTERPRETER,
         FP8=k_scale is not None,
         num_warps=4,
-        num_stages=pipeline_stages(q.dtype, q.device),
     )
     ks, vs = (k_scale, v_scale) if k_scale is not None else (sparse_bt, sparse_bt)  # never read without FP8
     args = (
@@ -427,7 +417,7 @@ def sparse_attention_kernel(
     grid = (n_rows, hkv, splits)
     if splits == 1:
         lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is off
-        _sparse_attention_fwd[grid](
+        _FWD[grid](
             q,
             k_cache,
             v_cache,
@@ -456,7 +446,7 @@ def sparse_attention_kernel(
     else:
         part_o = torch.empty(n_rows, hq, splits, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(n_rows, hq, splits, dtype=torch.float32, device=q.device)
-    _sparse_attention_fwd[grid](
+    _FWD[grid](
         q,
         k_cache,
         v_cache,

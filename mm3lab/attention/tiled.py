@@ -43,10 +43,11 @@ import triton
 import triton.language as tl
 
 from .. import backend
+from .._fit import fitting
 from .._grid import next_power_of_2
 from ..constants import PAGE_SIZE
 from .checks import readable_pages
-from .kernel import LOG2E, _attend_row, _clamp_ctx, _finish, _online_softmax, pipeline_stages
+from .kernel import LOG2E, _attend_row, _clamp_ctx, _finish, _online_softmax
 
 TILE_QUERY_VECTORS, TILE_PAGES, TILE_WARPS, TILE_STAGES = 64, 4, 4, 2
 """The tile's default shape: query vectors per program, union pages per step, warps, pipeline stages
@@ -625,7 +626,9 @@ def tiled_attention_kernel(
     if backend.INTERPRETER:
         row_block_n *= 2
     lse_arg = lse if lse is not None else out
-    _tiled_fwd[(tiles, hkv)](
+    # the configured pipeline depth, or (not given) the tile's default, coming down to 1 where it does not fit
+    depths = (num_stages,) if num_stages else range(cfg["num_stages"], 0, -1)
+    fitting(_tiled_fwd, "num_stages", depths)[(tiles, hkv)](
         q,
         k_cache,
         v_cache,
@@ -667,7 +670,6 @@ def tiled_attention_kernel(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=backend.INTERPRETER,
         num_warps=num_warps or cfg["num_warps"],
-        num_stages=num_stages or min(cfg["num_stages"], pipeline_stages(q.dtype, q.device)),
     )
 
 

@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from .. import backend
+from .._fit import fitting
 from .._fp8_triton import round_to_e4m3
 from .._grid import cdiv, next_power_of_2
 from ..block_table.kernel import emit_sparse_block_table_row
@@ -404,14 +405,6 @@ suite at batch 64, 128K on the H200, bf16 keys are fastest with 5 (0.48 ms; 2 to
 6 to 10% slower); with FP8 keys, paired, 2 to 6 stages lie within 7% of each other (0.27 to
 0.29 ms) and the order changes from run to run."""
 
-FLOAT32_STAGES = 2
-"""Key tiles in flight for float32 keys on a GPU that gives a program less shared memory than
-:data:`FLOAT32_DEFAULT_SHARED` (RTX 30xx/40xx, A10, L4, L40S: 99 KiB); 74 KB at the model's shapes."""
-FLOAT32_DEFAULT_SHARED = 139336
-"""Shared memory the scoring kernel takes with float32 keys at the default 5 stages (index dim 128), read
-from its compiled sm_80 / sm_89 / sm_90 binaries (``tests/sm90_compile.py``); bf16 and FP8 keys take at
-most 70 KB."""
-
 
 def index_scores_kernel(
     index_q,
@@ -458,11 +451,9 @@ def index_scores_kernel(
     group = n if prefill else dql
     fp8 = index_scale is not None
     tok_m = fp8 if tok_m is None else tok_m
-    if num_stages is None:
-        num_stages = DEFAULT_STAGES["fp8" if fp8 else "bf16"]
-        limit = backend.shared_memory_per_program(index_q.device)
-        if index_q.dtype == torch.float32 and not fp8 and limit is not None and limit < FLOAT32_DEFAULT_SHARED:
-            num_stages = FLOAT32_STAGES
+    # the given depth, or the default coming down where it does not fit the GPU's shared memory (float32
+    # keys at 5 stages take 136 KiB: more than RTX 30xx/40xx, A10, L4, L40S give a program)
+    depths = (num_stages,) if num_stages else sorted({DEFAULT_STAGES["fp8" if fp8 else "bf16"], 3, 2, 1}, reverse=True)
     if block_q is None:
         block_q = max(1, min(next_power_of_2(group), 64 // block_h))
         # FP8 tokens x lanes, 8 lanes or fewer: the hi and lo parts share one 16-column dot
@@ -498,7 +489,7 @@ def index_scores_kernel(
     if block_table.numel() == 0:
         block_table = torch.zeros(1, 1, dtype=torch.int32, device=index_q.device)
     block_d = max(32 if fp8 else 16, next_power_of_2(di))
-    _index_scores[(tiles, chunks)](
+    fitting(_index_scores, "NUM_STAGES", depths)[(tiles, chunks)](
         index_q,
         *index_q.stride(),
         index_cache,
@@ -533,7 +524,6 @@ def index_scores_kernel(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
-        NUM_STAGES=num_stages,
         EVEN_D=block_d == di,
         TOK_M=tok_m,
         PAIR=pair,
