@@ -3,7 +3,8 @@
 Two kinds of check exist:
 
 * structural checks (rank, shape, dtype, device, contiguity) read only tensor
-  metadata and always run;
+  metadata and always run (the MSA layer skips a repeat of a call shape that
+  passed them: :class:`PassedChecks`);
 * value checks (a block id past the block table, a seq_len the table cannot
   hold) read tensor contents, which on a GPU means a device-to-host sync. They
   run while validation is enabled (the default). Turn them off for CUDA-graph
