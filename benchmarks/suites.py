@@ -149,6 +149,19 @@ def _ours(ctx: Context, fns, label: str, *, validation: bool = True, graph: bool
     return out
 
 
+def _no_replay(ctx: Context, fns, label: str) -> dict:
+    """``{("eager", validation): Timing}`` of an entry point with repeated-call replay off
+    (``mm3lab._replay.ENABLED = False``: every call checks everything and launches through Triton),
+    measured beside :func:`_ours` so that one run shows what the replay saves."""
+    from mm3lab import _replay
+
+    _replay.ENABLED = False
+    try:
+        return _ours(ctx, fns, f"{label} (no replay)", graph=False)
+    finally:
+        _replay.ENABLED = True
+
+
 def _theirs(ctx: Context, fns, label: str) -> dict:
     """``{mode: Timing}`` of a baseline."""
     out = {"eager": _try(ctx, f"{label} eager", lambda: ctx.eager(fns))}
@@ -431,6 +444,7 @@ def _attention_decode_one(ctx, batch) -> None:
     err = relative_error(out.float(), ref.float())
     assert err < 2e-2, f"sparse_attention differs from gather + SDPA: relative error {err:.3e}"
     ours = _ours(ctx, fns, f"sparse_attention b{batch}")
+    no_replay = _no_replay(ctx, fns, f"sparse_attention b{batch}")
     gather = [
         lambda st=st: baselines.naive_sparse_attention(st["q"], kc, vc, st["sparse_bt"], st["sparse_ctx"], scale)
         for st in p.sets
@@ -496,6 +510,8 @@ def _attention_decode_one(ctx, batch) -> None:
         rel_err_vs_gather=round(err, 6),
         dense_bytes=dense.bytes,
     )
+    dense_only = {"dense_sdpa": theirs["dense_sdpa"]}
+    ctx.compare("sparse_attention_no_replay", shape, no_replay, dense_only, p.attended_bytes(), fallback)
     _free(ctx)
 
 
@@ -530,6 +546,7 @@ def _block_table_one(ctx, batch) -> None:
     nbytes = sum(t.numel() * 4 for t in (p.sets[0]["topk_idx"], *outs[0])) + batch * s.topk * 4
     shape = {"batch": batch, "context": s.decode_context, "kv_heads": s.hkv, "topk": s.topk}
     ctx.compare("block_table_decode", shape, ours, theirs, nbytes, fallback)
+    ctx.compare("block_table_decode_no_replay", shape, _no_replay(ctx, fns, f"block_table b{batch}"), theirs, nbytes)
     _free(ctx)
 
 

@@ -1,4 +1,5 @@
-"""Recorded launches: an eager plan run that skips Triton's per-launch argument binding.
+"""Recorded launches: an eager plan run that skips Triton's per-launch argument binding, and the
+memo of repeated one-shot call shapes (:class:`Memo`, the same for single entry points).
 
 Each ``kernel[grid](...)`` launch costs host time before the GPU sees it: Triton binds
 the arguments, works out their specialization (is a pointer 16-byte aligned, is an
@@ -30,8 +31,10 @@ the GPU). Set :data:`ENABLED` to ``False`` to turn recording off (benchmarks com
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -132,10 +135,12 @@ class Recording:
             for pos, _ in launch.subs:
                 launch.values[pos] = None
 
-    def replay(self, inputs: dict, device: torch.device) -> None:
-        """The recorded launches with ``inputs`` in place (the caller checked :meth:`matches`)."""
+    def replay(self, inputs: dict, device: torch.device, stream=None) -> None:
+        """The recorded launches with ``inputs`` in place (the caller checked :meth:`matches`), on
+        ``stream`` (a handle as :func:`current_stream` gives; default: ``device``'s current stream)."""
         self.replays += 1
-        stream = current_stream(device)
+        if stream is None:
+            stream = current_stream(device)
         for launch in self.launches:
             values = launch.values
             for pos, name in launch.subs:
@@ -201,6 +206,100 @@ last_reason = ""
 """Why the last :func:`record` gave no recording (empty when it gave one)."""
 
 
+class MemoEntry(NamedTuple):
+    recording: Recording | None
+    info: object
+
+
+class Memo:
+    """Repeated one-shot calls of one entry point: their checks done once, their launches replayed.
+
+    An entry point called again and again with arguments of the same metadata (a decode loop
+    calling :func:`mm3lab.sparse_attention` each step) runs the same launches every time, on
+    new addresses. A memo keeps, per thread, the last :attr:`size` such call shapes: what the
+    first call's structural checks returned, and the recording of its launches. A later call of
+    a kept shape skips the structural checks (its key holds everything they read) and replays
+    the recording with its own tensors in place; its value checks still run (they read values).
+
+    The key (:meth:`key`) holds each per-call tensor's shape, strides, dtype, device and 16-byte
+    alignment (what the checks read and what Triton specializes on), each cache's address too
+    (a cache is rarely new, and its address decides the layout checks), the scalar arguments,
+    the backend and the current stream (recordings keep scratch buffers, reused in stream order).
+    """
+
+    size = 4
+
+    def __init__(self, name: str):
+        self.name = name
+        self._local = threading.local()
+
+    def _entries(self) -> collections.OrderedDict:
+        entries = getattr(self._local, "entries", None)
+        if entries is None:
+            entries = self._local.entries = collections.OrderedDict()
+        return entries
+
+    @staticmethod
+    def key(per_call: tuple, caches: tuple, scalars: tuple) -> tuple | None:
+        """The call's key, or ``None`` where the memo does not apply (a non-tensor where a tensor
+        goes, which the checks reject; CPU tensors; not on a recordable platform)."""
+        if not supported():
+            return None
+        first = per_call[0]
+        if not isinstance(first, torch.Tensor) or not first.is_cuda:
+            return None
+        key = [current_stream(first.device), backend.get_backend()]
+        try:
+            for x in scalars:  # (by type too: True, 1 and 1.0 are equal keys, and not equally valid)
+                key.append((type(x), x))
+            for t in per_call:
+                key.append(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16))
+            for t in caches:
+                key.append(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device))
+            key = tuple(key)
+            hash(key)
+            return key
+        except (AttributeError, TypeError):  # not a tensor, an unhashable scalar: the normal path
+            return None
+
+    def get(self, key) -> MemoEntry | None:
+        """What :meth:`put` kept under ``key`` (most recently used first), else ``None``."""
+        if key is None:
+            return None
+        entries = self._entries()
+        entry = entries.get(key)
+        if entry is not None:
+            entries.move_to_end(key)
+        return entry
+
+    def put(self, key, recording: Recording | None, info=None) -> None:
+        """Keep a checked call shape: its recording (``None``: not replayable, later calls take the
+        normal path) and what its later calls need of its checks (``info``)."""
+        if key is None or self.size <= 0:
+            return
+        entries = self._entries()
+        entries[key] = MemoEntry(recording, info)
+        entries.move_to_end(key)
+        while len(entries) > self.size:
+            entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries().clear()
+
+
+def record_call(launch, inputs: dict) -> Recording | None:
+    """:func:`record` for a one-shot call whose every tensor argument and output is in ``inputs``
+    (kept only between this call and its replays: released before returning); ``None`` outside
+    a plain eager run (CUDA-graph capture) or where the run cannot be replayed."""
+    if torch.cuda.is_current_stream_capturing():
+        launch()
+        return None
+    rec = record(launch, {name: t for name, t in inputs.items() if t is not None}, ())
+    if rec is not None:
+        rec.release()
+    return rec
+
+
 def _idle(hook) -> bool:
     """A launch hook that does nothing: ``None`` or an empty chain (Triton 3.6 keeps a chain, empty by default)."""
     return hook is None or not getattr(hook, "calls", True)
@@ -221,10 +320,12 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
 __all__ = [
     "ENABLED",
     "VERIFIED_TRITON",
+    "Memo",
     "Recording",
     "current_stream",
     "hooks_idle",
     "launch_compiled",
     "record",
+    "record_call",
     "supported",
 ]

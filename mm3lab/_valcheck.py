@@ -156,9 +156,10 @@ def _segment(
             c0 += BLOCK_C
         total = tl.sum(tl.sum(nbad, axis=1), axis=0)
         total_mod = tl.sum(tl.sum(nmod, axis=1), axis=0)
-    tl.atomic_max(flags_ptr + flag, tl.where(total > 0, 1, 0))
+    # (plain stores of 1, never of 0: programs agree, and the flags may live in pinned host memory)
+    tl.store(flags_ptr + flag, 1, mask=total > 0)
     if HAS_MOD:
-        tl.atomic_max(flags_ptr + flag + 1, tl.where(total_mod > 0, 1, 0))
+        tl.store(flags_ptr + flag + 1, 1, mask=total_mod > 0)
 
 
 _SEG_TENSORS = ("t", "aux", "pos")
@@ -337,8 +338,8 @@ _compiled: dict = {}  # (device index, modes, has_mod, BLOCK_C, dtypes) -> Trito
 _UNUSED_INTS = (1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0)  # an unused slot's ints (as _SEG_INTS)
 
 
-def _run_kernel(segments: list[Segment], flags_buf: torch.Tensor) -> None:
-    """One check launch into ``flags_buf``.
+def _run_kernel(segments: list[Segment], flags_buf: torch.Tensor, target: torch.Tensor | None = None) -> None:
+    """One check launch into ``target`` (default ``flags_buf``, which also stands in for unused pointers).
 
     Triton's own launch binds all 73 arguments and looks the compiled kernel up by their
     specialization, which costs tens of microseconds of host time per call. Here nothing but the
@@ -364,16 +365,17 @@ def _run_kernel(segments: list[Segment], flags_buf: torch.Tensor) -> None:
     modes, has_mod = tuple(modes), tuple(has_mod)
     block_r, block_c = _tile_shape(columns)
     grid = (cdiv(rows, block_r), 1, 1)
+    target = flags_buf if target is None else target
     fast = FAST_LAUNCH and _replay.supported() and _replay.hooks_idle()
     if fast:
         # (unused slots always hold the int32 flags buffer: the used slots' dtypes decide)
         key = (flags_buf.get_device(), modes, has_mod, block_c, *dtypes)
         kernel = _compiled.get(key)
         if kernel is not None:
-            values = (flags_buf, *flat, modes, has_mod, block_r, block_c)
+            values = (target, *flat, modes, has_mod, block_r, block_c)
             _replay.launch_compiled(kernel, grid, values, _replay.current_stream(flags_buf.device))
             return
-    kernel = _valcheck_kernel[grid](flags_buf, *flat, modes, has_mod, BLOCK_R=block_r, BLOCK_C=block_c)
+    kernel = _valcheck_kernel[grid](target, *flat, modes, has_mod, BLOCK_R=block_r, BLOCK_C=block_c)
     if fast:
         _compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
 
@@ -474,14 +476,44 @@ def _flags_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | N
     return bufs
 
 
-def _read(flags_buf: torch.Tensor, host: torch.Tensor | None) -> list[int]:
-    """The flags on the host: a GPU copies them into pinned memory and waits for its stream (no
-    allocation, no pageable staging copy), the CPU reads them as they are."""
+ZERO_COPY = True
+"""On a GPU, the check kernel writes its flags straight into pinned host memory (mapped into the
+GPU's address space), so a call waits for its stream and reads them: no copy launch. ``False``
+(or a platform where the first such launch fails, which turns it off): flags in device memory,
+copied to the pinned buffer."""
+
+
+def _launch_and_read(segments: list[Segment], flags_buf: torch.Tensor, host: torch.Tensor | None) -> list[int]:
+    """One check launch and the flags on the host (a GPU waits for its stream: no allocation, no
+    pageable staging copy; the CPU reads them as they are). A flagged read zeroes them again."""
+    global ZERO_COPY
     if host is None:
-        return flags_buf.tolist()
+        _run_kernel(segments, flags_buf)
+        values = flags_buf.tolist()
+        if any(values):
+            flags_buf.zero_()
+        return values
+    stream = torch.cuda.current_stream(flags_buf.device)
+    if ZERO_COPY:
+        try:
+            _run_kernel(segments, flags_buf, host)
+        except (ValueError, RuntimeError):  # (a platform whose GPU cannot take a host pointer)
+            ZERO_COPY = False
+    if ZERO_COPY:
+        stream.synchronize()
+        values = host.tolist()
+        if any(values):
+            host.zero_()
+        return values
+    _run_kernel(segments, flags_buf)
     host.copy_(flags_buf, non_blocking=True)
-    torch.cuda.current_stream(flags_buf.device).synchronize()
-    return host.tolist()
+    stream.synchronize()
+    values = host.tolist()
+    if any(values):
+        flags_buf.zero_()
+        host.zero_()
+        stream.synchronize()
+    return values
 
 
 def flags(*segments: Segment) -> list[int]:
@@ -499,13 +531,7 @@ def flags(*segments: Segment) -> list[int]:
     _stats["host_reads"] += 1
     if _use_kernel(segments[0].t):
         buf, host = _flags_buffers(device)
-        _run_kernel(segments, buf)
-        values = _read(buf, host)
-        if any(values):  # (rare: a call about to raise) zeroed again for the next call
-            buf.zero_()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        return values[: 2 * len(segments)]
+        return _launch_and_read(segments, buf, host)[: 2 * len(segments)]
     parts = [f for seg in segments for f in _torch_flags(seg)]
     tensors = [f for f in parts if isinstance(f, torch.Tensor)]
     values = iter(torch.stack(tensors).tolist() if tensors else [])

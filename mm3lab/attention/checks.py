@@ -105,8 +105,14 @@ def check_sparse_attention(
     check_same_device(q=q, k_cache=k_cache, sparse_bt=sparse_bt, sparse_ctx=sparse_ctx)
     check_out("out", out, (n, hq, d), q.dtype, q.device)
     scale = check_scale(scale, d)
+    check_sparse_attention_values(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride)
+    return block_page_stride, scale
 
-    if validation_enabled() and n:
+
+def check_sparse_attention_values(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride: int) -> None:
+    """The value checks of :func:`check_sparse_attention` (while validation is on): every ``ctx``
+    in ``[0, W * 16]``, every used page id inside the cache (a K page when packed)."""
+    if validation_enabled() and sparse_bt.shape[1]:
         width = sparse_bt.shape[2]
         pages = readable_pages(k_cache, v_cache)
         packed = block_page_stride == PACKED_STRIDE
@@ -124,4 +130,3 @@ def check_sparse_attention(
             ),
         ]
         value_checks(segments, lambda: _detail(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride))
-    return block_page_stride, scale

@@ -94,6 +94,13 @@ def check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_s
     b, m = block_table.shape
     check_decode_rows("topk_idx", n, seq_lens, decode_query_len, b)
     check_same_device(topk_idx=topk_idx, block_table=block_table, seq_lens=seq_lens)
+    check_decode_values(topk_idx, block_table, seq_lens, block_page_stride)
+
+
+def check_decode_values(topk_idx, block_table, seq_lens, block_page_stride) -> None:
+    """The value checks of :func:`check_decode` (while validation is on)."""
+    _h, n, k = topk_idx.shape
+    m = block_table.shape[1]
     if not validation_enabled() or n == 0:
         return
     capacity = m * SPARSE_BLOCK_SIZE

@@ -1,0 +1,185 @@
+"""Repeated one-shot calls of one shape (``mm3lab._replay.Memo``): the structural checks run once per
+call shape and later calls replay the recorded launches with their own tensors in place (GPU: the
+interpreter has no compiled launchers to record). Every call is bit-identical to the normal path,
+returns its own new output, still runs its value checks, and a new shape, strides, alignment or
+cache takes the normal path (and is kept in turn). On the CPU the memo never applies (its key is
+``None``), which the bookkeeping tests check along with its least-recently-used order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mm3lab
+from mm3lab import _replay
+from mm3lab.attention import _MEMO as ATTENTION_MEMO
+from mm3lab.block_table import _MEMO as TABLE_MEMO
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+HKV, G, D, TOPK = 2, 8, 64, 4
+
+
+@pytest.fixture
+def normal_path():
+    """A context manager that runs the enclosed calls with the memo off (the normal path)."""
+
+    class Off:
+        def __enter__(self):
+            _replay.ENABLED = False
+
+        def __exit__(self, *exc):
+            _replay.ENABLED = True
+
+    yield Off()
+    _replay.ENABLED = True
+
+
+def _problem(rows=3, layout="dense", dtype=torch.bfloat16, seed=0, fp8=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = 12
+    cache = mm3lab.allocate_kv_cache(blocks, HKV, D, layout, dtype=torch.float8_e4m3fn if fp8 else dtype, device="cuda")
+    if fp8:
+        kv = torch.randn(cache.kv.shape, generator=g, device="cuda")
+        cache.kv.copy_(kv.to(torch.float8_e4m3fn))
+        cache.k_scale.uniform_(0.5, 2.0, generator=g)
+        cache.v_scale.uniform_(0.5, 2.0, generator=g)
+    else:
+        cache.kv.normal_(generator=g)
+    stride = cache.block_page_stride
+    topk = torch.stack([torch.randperm(blocks, generator=g, device="cuda")[:TOPK] for _ in range(HKV * rows)])
+    topk = topk.view(HKV, rows, TOPK).to(torch.int32)
+    bt = torch.arange(blocks, device="cuda", dtype=torch.int32).repeat(rows, 1)
+    seq_lens = torch.full((rows,), blocks * 128 - 5, dtype=torch.int32, device="cuda")
+    sbt, sctx = mm3lab.build_sparse_block_table_decode(topk, bt, seq_lens, block_page_stride=stride)
+    return cache, topk, bt, seq_lens, sbt, sctx
+
+
+def _q(rows, seed, dtype=torch.bfloat16, how="plain"):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if how == "strided":
+        return torch.randn(rows, HKV * G, 2 * D, generator=g, device="cuda").to(dtype)[..., :D]
+    if how == "misaligned":
+        flat = torch.randn(rows * HKV * G * D + 1, generator=g, device="cuda").to(dtype)
+        return flat[1:].view(rows, HKV * G, D)
+    return torch.randn(rows, HKV * G, D, generator=g, device="cuda").to(dtype)
+
+
+def test_the_memo_never_applies_to_cpu_tensors():
+    q = torch.zeros(1, 4, 8)
+    assert _replay.Memo.key((q,), (), (None,)) is None
+
+
+def test_the_memo_keeps_its_newest_call_shapes(monkeypatch):
+    memo = _replay.Memo("test")
+    monkeypatch.setattr(memo, "size", 2)
+    for key in ("a", "b", "c"):
+        memo.put(key, None, key.upper())
+    assert memo.get("a") is None and memo.get("b").info == "B" and memo.get("c").info == "C"
+    memo.get("b")  # now the newest
+    memo.put("d", "D")
+    assert memo.get("c") is None and memo.get("b").info == "B"
+    assert memo.get(None) is None
+    memo.clear()
+    assert memo.get("b") is None
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_repeated_attention_calls_replay_bit_identical(normal_path, layout, return_lse, fp8):
+    assert _replay.supported(), "recorded launches are verified for this Triton; the test expects them on"
+    ATTENTION_MEMO.clear()
+    cache, _, _, _, sbt, sctx = _problem(layout=layout, fp8=fp8)
+    scales = {"k_scale": cache.k_scale, "v_scale": cache.v_scale} if fp8 else {}
+    outs = []
+    for step, how in enumerate(["plain", "plain", "plain", "strided", "strided", "misaligned", "misaligned", "plain"]):
+        q = _q(sbt.shape[1], step, how=how)
+        got = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, return_lse=return_lse, **scales)
+        with normal_path:
+            want = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, return_lse=return_lse, **scales)
+        got, want = (got, want) if return_lse else ((got,), (want,))
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), (step, how)
+        outs.append((got[0], want[0].clone()))
+    assert len({id(o) for o, _ in outs}) == len(outs)
+    for step, (got, want) in enumerate(outs):  # each call returned its own output
+        assert torch.equal(got, want), f"step {step}'s output was overwritten"
+    entries = ATTENTION_MEMO._entries()
+    assert all(e.recording is not None for e in entries.values())
+    assert sum(e.recording.replays for e in entries.values()) == 5  # 8 calls, 3 call shapes
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_a_replayed_attention_call_still_checks_values_and_a_new_cache_is_a_new_shape(normal_path):
+    ATTENTION_MEMO.clear()
+    cache, _, _, _, sbt, sctx = _problem()
+    q = _q(sbt.shape[1], 0)
+    for _ in range(3):
+        mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx)
+    bad = sbt.clone()
+    bad[1, 2, 0] = cache.k_cache.shape[0]  # a page past the cache
+    with pytest.raises(ValueError, match=r"sparse_bt: \(head 1, row 2\) entry 0"):
+        mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, bad, sctx)
+    too_long = sctx.clone()
+    too_long[0, 1] = sbt.shape[2] * 16 + 1
+    with pytest.raises(ValueError, match=r"sparse_ctx: \(head 0, row 1\)"):
+        mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, too_long)
+    other, *_ = _problem(seed=1)  # same shapes, another cache
+    got = mm3lab.sparse_attention(q, other.k_cache, other.v_cache, sbt, sctx)
+    with normal_path:
+        want = mm3lab.sparse_attention(q, other.k_cache, other.v_cache, sbt, sctx)
+    assert torch.equal(got, want)
+    assert len(ATTENTION_MEMO._entries()) == 2
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+def test_repeated_block_table_calls_replay_bit_identical(normal_path, layout):
+    TABLE_MEMO.clear()
+    cache, topk, bt, seq_lens, _, _ = _problem(rows=4, layout=layout)
+    stride = cache.block_page_stride
+    outs = []
+    for step in range(5):
+        g = torch.Generator(device="cuda").manual_seed(step)
+        sel = torch.randint(0, bt.shape[1], topk.shape, generator=g, device="cuda", dtype=torch.int32)
+        lens = seq_lens - torch.randint(0, 300, seq_lens.shape, generator=g, device="cuda", dtype=torch.int32)
+        got = mm3lab.build_sparse_block_table_decode(sel, bt, lens, block_page_stride=stride)
+        with normal_path:
+            want = mm3lab.build_sparse_block_table_decode(sel, bt, lens, block_page_stride=stride)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), step
+        outs.append((got, [t.clone() for t in want]))
+    for step, (got, want) in enumerate(outs):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"step {step} overwritten"
+    (entry,) = TABLE_MEMO._entries().values()
+    assert entry.recording is not None and entry.recording.replays == 4
+    sel[0, 0, 0] = bt.shape[1]  # a block past the table, on a replayed call shape
+    with pytest.raises(ValueError, match="topk_idx"):
+        mm3lab.build_sparse_block_table_decode(sel, bt, lens, block_page_stride=stride)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_caller_owned_outputs_are_part_of_the_call_shape(normal_path):
+    TABLE_MEMO.clear()
+    ATTENTION_MEMO.clear()
+    cache, topk, bt, seq_lens, sbt, sctx = _problem(rows=4)
+    stride = cache.block_page_stride
+    bufs = [(torch.empty_like(sbt), torch.empty_like(sctx)) for _ in range(2)]
+    outs = [torch.empty(sbt.shape[1], HKV * G, D, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    for step in range(6):
+        o = bufs[step % 2]
+        got = mm3lab.build_sparse_block_table_decode(topk, bt, seq_lens, block_page_stride=stride, out=o)
+        assert got[0] is o[0] and got[1] is o[1]
+        assert torch.equal(o[0], sbt) and torch.equal(o[1], sctx), step
+        q = _q(sbt.shape[1], step)
+        res = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, out=outs[step % 2])
+        assert res is outs[step % 2]
+        with normal_path:
+            want = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx)
+        assert torch.equal(res, want), step
+    assert sum(e.recording.replays for e in TABLE_MEMO._entries().values()) == 4
+    assert sum(e.recording.replays for e in ATTENTION_MEMO._entries().values()) == 4
