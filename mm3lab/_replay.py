@@ -37,6 +37,7 @@ import threading
 from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import backend
 
@@ -192,7 +193,8 @@ def record(launch, inputs: dict, caches) -> Recording | None:
     _local.recording = rec
     JITFunction.run = run
     try:
-        launch()
+        with _DeviceWork(rec):
+            launch()
     finally:
         JITFunction.run = original
         _local.recording = None
@@ -298,6 +300,58 @@ def record_call(launch, inputs: dict) -> Recording | None:
     if rec is not None:
         rec.release()
     return rec
+
+
+_NO_DEVICE_WORK = {
+    "empty",
+    "empty_strided",
+    "view",
+    "_unsafe_view",
+    "as_strided",
+    "slice",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "permute",
+    "t",
+    "transpose",
+    "expand",
+    "alias",
+    "detach",
+    "lift_fresh",
+    "empty_like",
+    "new_empty",
+    "new_empty_strided",
+    "_reshape_alias",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "narrow",
+    "chunk",
+    "diagonal",
+    "unfold",
+}
+"""PyTorch ops a recorded run may call: allocations and views, which put no work on the device."""
+
+
+DEVICE_WORK = "the run puts work on the device besides its launches, which a replay would leave out"
+"""The start of :data:`last_reason` where a run was not recorded because of such work (a fill, a copy)."""
+
+
+class _DeviceWork(TorchDispatchMode):
+    """While a run is recorded: any PyTorch op besides :data:`_NO_DEVICE_WORK` (a fill, a copy, a host
+    read) is work that a replay would leave out, so the run is not replayable."""
+
+    def __init__(self, rec: Recording):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _NO_DEVICE_WORK and self.rec.ok:
+            self.rec.ok = False
+            self.rec.reason = f"{DEVICE_WORK}: torch's {name}"
+        return func(*args, **(kwargs or {}))
 
 
 def _idle(hook) -> bool:

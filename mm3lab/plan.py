@@ -201,6 +201,7 @@ class _MSAPlan:
         self._cuda_graph = None
         self._captured_with = None
         self._recording = None
+        self._device_work = False  # (a run that puts work on the device besides its launches: never recorded)
         self._set_algorithm(algorithm)
 
     # --- construction ----------------------------------------------------------------------
@@ -511,11 +512,13 @@ class _MSAPlan:
         if rec is not None and rec.matches(inputs, caches):
             rec.replay(inputs, self.device)
             return
-        if self.algorithm is None or not _replay.supported():  # the automatic kernel choice differs per run
+        if self.algorithm is None or not _replay.supported() or self._device_work:
+            # (the automatic kernel choice differs per run; device work besides launches is never replayed)
             self._recording = None
             self._launch(inputs, caches)
             return
         self._recording = _replay.record(lambda: self._launch(inputs, caches), inputs, caches)
+        self._device_work = self._recording is None and _replay.last_reason.startswith(_replay.DEVICE_WORK)
 
     def _capture(self, caches) -> None:
         stream = torch.cuda.Stream(device=self.device)

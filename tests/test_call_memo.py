@@ -183,3 +183,19 @@ def test_caller_owned_outputs_are_part_of_the_call_shape(normal_path):
         assert torch.equal(res, want), step
     assert sum(e.recording.replays for e in TABLE_MEMO._entries().values()) == 4
     assert sum(e.recording.replays for e in ATTENTION_MEMO._entries().values()) == 4
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_an_explicitly_tiled_attention_call_is_kept_unreplayed(normal_path):
+    """The tiled pre-pass fills its tables with PyTorch ops, which a replay would leave out: the call
+    shape is kept as not replayable and every call takes the normal path, exact."""
+    ATTENTION_MEMO.clear()
+    for step in range(3):
+        cache, _, _, _, sbt, sctx = _problem(rows=24, seed=step)
+        q = _q(sbt.shape[1], step)
+        got = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, algorithm="tiled")
+        with normal_path:
+            want = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, algorithm="tiled")
+        assert torch.equal(got, want), step
+    assert all(e.recording is None for e in ATTENTION_MEMO._entries().values())

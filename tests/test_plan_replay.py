@@ -117,6 +117,42 @@ def test_prefill_plan_replays_with_new_rows():
     assert plans[0]._recording is not None and plans[0]._recording.replays == 3
 
 
+@needs_gpu
+def test_a_tiled_prefill_plan_is_not_replayed_and_stays_exact():
+    """The tiled kernel's pre-pass fills its tables with PyTorch ops before its launch: a replay would
+    leave the fills out, so such a run is not recorded (every run launches normally)."""
+    layer = _layer(batch=2, context=700)
+    n = 32
+    kv_a, ka, va, ica = _caches(layer)
+    kv_b, kb, vb, icb = _caches(layer)
+    kw = dict(num_tokens=n, batch=2, max_blocks=layer.block_table.shape[1], num_q_heads=8, topk=4)
+    tiled = mm3lab.MSAPrefillPlan(ka, va, ica, algorithm="tiled", **kw)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for step in range(4):
+        req = torch.randint(0, 2, (n,), generator=g, device="cuda", dtype=torch.int32)
+        pos = torch.randint(-1, 700, (n,), generator=g, device="cuda", dtype=torch.int32)
+        x = [
+            torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+            for shape in ((n, 8, 64), (n, 2, 64), (n, 2, 64), (n, 2, 64), (n, 64))
+        ]
+        got = tiled.run(*x, ka, va, ica, layer.block_table, req, pos).clone()
+        want = mm3lab.msa_prefill(*x, kb, vb, icb, layer.block_table, req, pos, topk=4)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=lambda m, step=step: f"step {step}: {m}")
+    assert tiled._recording is None
+    assert tiled._device_work and _replay.last_reason.startswith(_replay.DEVICE_WORK)
+
+
+def test_a_run_with_device_work_besides_launches_is_not_recorded():
+    """A PyTorch op that puts work on the device (a fill, a copy) would be left out of a replay."""
+    rec = _replay.Recording({}, ())
+    with _replay._DeviceWork(rec):
+        torch.empty(4).view(2, 2).t()
+    assert rec.ok
+    with _replay._DeviceWork(rec):
+        torch.zeros(4)
+    assert not rec.ok and "zeros" in rec.reason
+
+
 def test_no_recording_where_kernels_are_interpreted():
     if mm3lab.backend.INTERPRETER:
         assert not _replay.supported()
