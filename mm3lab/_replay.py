@@ -234,6 +234,7 @@ class Memo:
     def __init__(self, name: str):
         self.name = name
         self._local = threading.local()
+        _MEMOS.append(self)
 
     def _entries(self) -> collections.OrderedDict:
         entries = getattr(self._local, "entries", None)
@@ -287,6 +288,17 @@ class Memo:
 
     def clear(self) -> None:
         self._entries().clear()
+
+
+_MEMOS: list[Memo] = []
+
+
+def clear_memos() -> None:
+    """Forget every kept call shape (this thread's). A memo's key holds the call's arguments, not the
+    package's settings: after changing a module-level setting that decides launches (a tuning
+    constant, a kernel choice threshold), clear them."""
+    for memo in _MEMOS:
+        memo.clear()
 
 
 def record_call(launch, inputs: dict) -> Recording | None:
@@ -375,6 +387,7 @@ __all__ = [
     "ENABLED",
     "VERIFIED_TRITON",
     "Memo",
+    "clear_memos",
     "Recording",
     "current_stream",
     "hooks_idle",

@@ -57,3 +57,12 @@ def draw_widget():
         return {c.description: c for c in w.children if getattr(c, "description", "")}, w.result
 
     return draw
+
+
+@pytest.fixture(autouse=True)
+def _fresh_call_memos():
+    """Each test starts with no kept call shapes (``mm3lab._replay.Memo``): a test that changes a
+    module-level setting deciding launches must not replay a call shape recorded by another test."""
+    from mm3lab import _replay
+
+    _replay.clear_memos()

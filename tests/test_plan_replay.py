@@ -99,9 +99,10 @@ def test_prefill_plan_replays_with_new_rows():
         for k, v, ic in ((ka, va, ica), (kb, vb, icb))
     ]
     g = torch.Generator(device="cuda").manual_seed(5)
-    for step in range(4):
-        req = torch.randint(0, 2, (n,), generator=g, device="cuda", dtype=torch.int32)
-        pos = torch.randint(-1, 700, (n,), generator=g, device="cuda", dtype=torch.int32)
+    for step in range(4):  # a chunk of each request: consecutive positions from a random start
+        req = torch.arange(n, device="cuda", dtype=torch.int32) // (n // 2)
+        start = torch.randint(0, 700 - n // 2, (2,), generator=g, device="cuda", dtype=torch.int32)
+        pos = start[req] + torch.arange(n, device="cuda", dtype=torch.int32) % (n // 2)
         x = [
             torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
             for shape in ((n, 8, 64), (n, 2, 64), (n, 2, 64), (n, 2, 64), (n, 64))
@@ -128,9 +129,10 @@ def test_a_tiled_prefill_plan_is_not_replayed_and_stays_exact():
     kw = dict(num_tokens=n, batch=2, max_blocks=layer.block_table.shape[1], num_q_heads=8, topk=4)
     tiled = mm3lab.MSAPrefillPlan(ka, va, ica, algorithm="tiled", **kw)
     g = torch.Generator(device="cuda").manual_seed(6)
-    for step in range(4):
-        req = torch.randint(0, 2, (n,), generator=g, device="cuda", dtype=torch.int32)
-        pos = torch.randint(-1, 700, (n,), generator=g, device="cuda", dtype=torch.int32)
+    for step in range(4):  # a chunk of each request: consecutive positions from a random start
+        req = torch.arange(n, device="cuda", dtype=torch.int32) // (n // 2)
+        start = torch.randint(0, 700 - n // 2, (2,), generator=g, device="cuda", dtype=torch.int32)
+        pos = start[req] + torch.arange(n, device="cuda", dtype=torch.int32) % (n // 2)
         x = [
             torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
             for shape in ((n, 8, 64), (n, 2, 64), (n, 2, 64), (n, 2, 64), (n, 64))

@@ -128,7 +128,9 @@ def sparse_attention(
     """
     # a repeated call shape: checked once, its launches replayed (mm3lab._replay.Memo)
     caches = (k_cache, v_cache, k_scale, v_scale)
-    key = _MEMO.key((q, sparse_bt, sparse_ctx, out), caches, (scale, return_lse, algorithm))
+    key = None
+    if algorithm is not None or getattr(q, "shape", (0,))[0] < TILED_MIN_ROWS:  # (the automatic choice reads data)
+        key = _MEMO.key((q, sparse_bt, sparse_ctx, out), caches, (scale, return_lse, algorithm))
     entry = _MEMO.get(key)
     if entry is not None:
         if entry.recording is None:  # (seen, not replayable: the normal path)
@@ -143,7 +145,7 @@ def sparse_attention(
     )
     if algorithm is not None:
         choose_algorithm(q.shape[0], algorithm)  # a bad name raises on every path
-    if key is None or (algorithm is None and q.shape[0] >= TILED_MIN_ROWS):  # (the automatic choice reads data)
+    if key is None:
         return _attend_checked(
             q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse, out, algorithm, k_scale, v_scale
         )
