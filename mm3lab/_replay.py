@@ -225,8 +225,9 @@ class Memo:
 
     The key (:meth:`key`) holds each per-call tensor's shape, strides, dtype, device and 16-byte
     alignment (what the checks read and what Triton specializes on), each cache's address too
-    (a cache is rarely new, and its address decides the layout checks), the scalar arguments,
-    the backend and the current stream (recordings keep scratch buffers, reused in stream order).
+    (a cache is rarely new, and its address decides the layout checks), the scalar arguments and
+    the current stream (recordings keep scratch buffers, reused in stream order). It applies on the
+    ``triton`` backend only (the others launch no compiled kernels).
     """
 
     size = 4
@@ -246,12 +247,12 @@ class Memo:
     def key(per_call: tuple, caches: tuple, scalars: tuple) -> tuple | None:
         """The call's key, or ``None`` where the memo does not apply (a non-tensor where a tensor
         goes, which the checks reject; CPU tensors; not on a recordable platform)."""
-        if not supported():
+        if not supported() or backend.get_backend() != "triton":
             return None
         first = per_call[0]
         if not isinstance(first, torch.Tensor) or not first.is_cuda:
             return None
-        key = [current_stream(first.device), backend.get_backend()]
+        key = [current_stream(first.device)]
         try:
             for x in scalars:  # (by type too: True, 1 and 1.0 are equal keys, and not equally valid)
                 key.append((type(x), x))
@@ -301,17 +302,18 @@ def clear_memos() -> None:
         memo.clear()
 
 
-def record_call(launch, inputs: dict) -> Recording | None:
+def record_call(launch, inputs: dict) -> tuple[object, Recording | None]:
     """:func:`record` for a one-shot call whose every tensor argument and output is in ``inputs``
-    (kept only between this call and its replays: released before returning); ``None`` outside
-    a plain eager run (CUDA-graph capture) or where the run cannot be replayed."""
-    if torch.cuda.is_current_stream_capturing():
-        launch()
-        return None
-    rec = record(launch, {name: t for name, t in inputs.items() if t is not None}, ())
+    (kept only between this call and its replays: released before returning): ``(what launch()
+    returned, the recording)``, the recording ``None`` outside a plain eager run (CUDA-graph
+    capture) or where the run cannot be replayed (a PyTorch path, which launches nothing)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return launch(), None
+    returned = []
+    rec = record(lambda: returned.append(launch()), {name: t for name, t in inputs.items() if t is not None}, ())
     if rec is not None:
         rec.release()
-    return rec
+    return returned[0], rec
 
 
 _NO_DEVICE_WORK = {

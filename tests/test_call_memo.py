@@ -69,6 +69,53 @@ def test_the_memo_never_applies_to_cpu_tensors():
     assert _replay.Memo.key((q,), (), (None,)) is None
 
 
+@pytest.fixture
+def memo_on_cpu(monkeypatch):
+    """Let the memos key CPU calls on every backend (they key only compiled-kernel GPU calls): the first
+    call of a shape then takes the recording path, which on the CPU records nothing."""
+    real = _replay.Memo.key
+
+    def key(per_call, caches, scalars):
+        got = real(per_call, caches, scalars)
+        if got is not None or not all(isinstance(t, torch.Tensor) for t in per_call[:1]):
+            return got
+        return ("cpu", tuple(scalars), tuple(None if t is None else (t.shape, t.stride(), t.dtype) for t in per_call))
+
+    monkeypatch.setattr(_replay.Memo, "key", staticmethod(key))
+    monkeypatch.setattr(_replay, "supported", lambda: True)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "torch"])
+def test_a_recorded_first_call_returns_what_the_call_computed(memo_on_cpu, backend):
+    """The first call of a shape returns its entry point's own result on every path (a PyTorch path
+    returns a log-sum-exp of its own, not the buffer the recording path allocated), and a shape that
+    recorded nothing takes the normal path from then on."""
+    if backend == "interpret" and not mm3lab.backend.INTERPRETER:
+        pytest.skip("the interpreter backend is the CPU's")
+    from mm3lab import reference
+
+    g = torch.Generator().manual_seed(0)
+    cache = mm3lab.allocate_kv_cache(4, 2, 16, "packed", device="cpu")
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))
+    topk = torch.tensor([[[0, 1], [2, 3]], [[1, 2], [3, 0]]], dtype=torch.int32)
+    bt = torch.arange(4, dtype=torch.int32).repeat(2, 1)
+    seq_lens = torch.tensor([500, 400], dtype=torch.int32)
+    stride = cache.block_page_stride
+    with mm3lab.use_backend(backend):
+        for _ in range(3):
+            sbt, sctx = mm3lab.build_sparse_block_table_decode(topk, bt, seq_lens, block_page_stride=stride)
+            want = reference.build_sparse_block_table_decode(topk, bt, seq_lens, block_page_stride=stride)
+            assert torch.equal(sbt, want[0]) and torch.equal(sctx, want[1])
+            q = torch.randn(2, 4, 16, generator=g)
+            out, lse = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, return_lse=True)
+            ref_out, ref_lse = reference.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, return_lse=True)
+            torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    for memo in (ATTENTION_MEMO, TABLE_MEMO):
+        (entry,) = memo._entries().values()
+        assert entry.recording is None
+
+
 def test_the_memo_keeps_its_newest_call_shapes(monkeypatch):
     memo = _replay.Memo("test")
     monkeypatch.setattr(memo, "size", 2)

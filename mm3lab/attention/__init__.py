@@ -150,14 +150,14 @@ def sparse_attention(
             q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse, out, algorithm, k_scale, v_scale
         )
     out, lse, inputs = _outputs(q, k_cache, v_cache, sparse_bt, sparse_ctx, k_scale, v_scale, return_lse, out)
-    recording = _replay.record_call(
+    returned, recording = _replay.record_call(
         lambda: _attend_checked(
             q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse, out, algorithm, k_scale, v_scale, lse=lse
         ),
         inputs,
     )
     _MEMO.put(key, recording, block_page_stride)
-    return (out, lse) if return_lse else out
+    return returned  # (the kernels wrote out and lse; a PyTorch path returns its own, and is not replayed)
 
 
 def _outputs(q, k_cache, v_cache, sparse_bt, sparse_ctx, k_scale, v_scale, return_lse, out):

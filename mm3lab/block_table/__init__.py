@@ -133,12 +133,12 @@ def build_sparse_block_table_decode(
         return _build("build_sparse_block_table_decode", topk_idx, block_table, rows, block_page_stride, out)
     out = _outputs(topk_idx, out)
     inputs = {"topk_idx": topk_idx, "block_table": block_table, "seq_lens": seq_lens}
-    recording = _replay.record_call(
+    returned, recording = _replay.record_call(
         lambda: _build("build_sparse_block_table_decode", topk_idx, block_table, rows, block_page_stride, out),
         {**inputs, "sparse_bt": out[0], "sparse_ctx": out[1]},
     )
     _MEMO.put(key, recording)
-    return out
+    return returned
 
 
 _MEMO = _replay.Memo("build_sparse_block_table_decode")
