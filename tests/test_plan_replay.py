@@ -86,6 +86,24 @@ def test_replayed_runs_equal_normal_launches_and_rerecord_on_new_strides_alignme
     assert torch.equal(got, want)
 
 
+def _prefill_rows(g, n, *, chunks: bool):
+    """``(query_req_id, query_abs_pos, [q, key, value, index_q, index_k])`` of ``n`` prefill rows over two
+    requests of 700 tokens: random requests and positions (padded rows among them), or ``chunks``, each
+    request's half of the rows at consecutive positions from a random start."""
+    if chunks:
+        req = torch.arange(n, device="cuda", dtype=torch.int32) // (n // 2)
+        start = torch.randint(0, 700 - n // 2, (2,), generator=g, device="cuda", dtype=torch.int32)
+        pos = start[req] + torch.arange(n, device="cuda", dtype=torch.int32) % (n // 2)
+    else:
+        req = torch.randint(0, 2, (n,), generator=g, device="cuda", dtype=torch.int32)
+        pos = torch.randint(-1, 700, (n,), generator=g, device="cuda", dtype=torch.int32)
+    x = [
+        torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+        for shape in ((n, 8, 64), (n, 2, 64), (n, 2, 64), (n, 2, 64), (n, 64))
+    ]
+    return req, pos, x
+
+
 @needs_gpu
 def test_prefill_plan_replays_with_new_rows():
     layer = _layer(batch=2, context=700)
@@ -99,14 +117,8 @@ def test_prefill_plan_replays_with_new_rows():
         for k, v, ic in ((ka, va, ica), (kb, vb, icb))
     ]
     g = torch.Generator(device="cuda").manual_seed(5)
-    for step in range(4):  # a chunk of each request: consecutive positions from a random start
-        req = torch.arange(n, device="cuda", dtype=torch.int32) // (n // 2)
-        start = torch.randint(0, 700 - n // 2, (2,), generator=g, device="cuda", dtype=torch.int32)
-        pos = start[req] + torch.arange(n, device="cuda", dtype=torch.int32) % (n // 2)
-        x = [
-            torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
-            for shape in ((n, 8, 64), (n, 2, 64), (n, 2, 64), (n, 2, 64), (n, 64))
-        ]
+    for step in range(4):
+        req, pos, x = _prefill_rows(g, n, chunks=False)
         got = plans[0].run(*x, ka, va, ica, layer.block_table, req, pos).clone()
         _replay.ENABLED = False
         try:
@@ -129,14 +141,8 @@ def test_a_tiled_prefill_plan_is_not_replayed_and_stays_exact():
     kw = dict(num_tokens=n, batch=2, max_blocks=layer.block_table.shape[1], num_q_heads=8, topk=4)
     tiled = mm3lab.MSAPrefillPlan(ka, va, ica, algorithm="tiled", **kw)
     g = torch.Generator(device="cuda").manual_seed(6)
-    for step in range(4):  # a chunk of each request: consecutive positions from a random start
-        req = torch.arange(n, device="cuda", dtype=torch.int32) // (n // 2)
-        start = torch.randint(0, 700 - n // 2, (2,), generator=g, device="cuda", dtype=torch.int32)
-        pos = start[req] + torch.arange(n, device="cuda", dtype=torch.int32) % (n // 2)
-        x = [
-            torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
-            for shape in ((n, 8, 64), (n, 2, 64), (n, 2, 64), (n, 2, 64), (n, 64))
-        ]
+    for step in range(4):
+        req, pos, x = _prefill_rows(g, n, chunks=True)
         got = tiled.run(*x, ka, va, ica, layer.block_table, req, pos).clone()
         want = mm3lab.msa_prefill(*x, kb, vb, icb, layer.block_table, req, pos, topk=4)
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=lambda m, step=step: f"step {step}: {m}")
