@@ -129,7 +129,8 @@ def sparse_attention(
     # a repeated call shape: checked once, its launches replayed (mm3lab._replay.Memo)
     caches = (k_cache, v_cache, k_scale, v_scale)
     key = None
-    if algorithm is not None or getattr(q, "shape", (0,))[0] < TILED_MIN_ROWS:  # (the automatic choice reads data)
+    rows = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() else 0  # (a bad q: the checks reject it)
+    if algorithm is not None or rows < TILED_MIN_ROWS:  # (the automatic choice reads the selection)
         key = _MEMO.key((q, sparse_bt, sparse_ctx, out), caches, (scale, return_lse, algorithm))
     entry = _MEMO.get(key)
     if entry is not None:
