@@ -28,7 +28,7 @@ def patch_xy(p):
 @pytest.mark.parametrize("block", [0, 2])
 def test_memory_map_highlights_the_block(layout, block):
     nb = 4
-    fig = viz.plot_memory_map(layout, nb, block=block, num_kv_heads=2)
+    fig = viz.plot_memory_map(layout, nb, block=block, page=viz.PageShape(num_kv_heads=2))
     assert isinstance(fig, Figure) and len(fig.axes) == 1
     ax = fig.axes[0]
     assert ax.get_title().startswith(f"{layout} layout") and f"block {block}" in ax.get_title()
@@ -62,12 +62,12 @@ def test_memory_map_orders():
 
 
 def test_page_table_text_and_figure_agree():
-    text = viz.page_table_text("packed", 4, 1, num_kv_heads=4)
+    text = viz.page_table_text("packed", 4, 1, viz.PageShape(num_kv_heads=4))
     lines = text.splitlines()
     assert len(lines) == 1 + 1 + PAGES_PER_SPARSE_BLOCK
     assert "16384 bytes" in lines[0]
     assert lines[2].split() == ["0", "0-15", "16", "16", "262144", "24", "393216"]
-    fig = viz.plot_page_id_table("packed", 4, 1, num_kv_heads=4)
+    fig = viz.plot_page_id_table("packed", 4, 1, viz.PageShape(num_kv_heads=4))
     ax = fig.axes[0]
     assert "block 1" in ax.get_title()
     table = ax.tables[0]
@@ -79,7 +79,7 @@ def test_page_table_text_and_figure_agree():
 
 def test_page_table_rows_match_locate_page():
     for layout, stride in (("dense", 8), ("packed", 16)):
-        for row in viz.page_table(layout, 3, 2, num_kv_heads=1, head_dim=8, dtype_bytes=4):
+        for row in viz.page_table(layout, 3, 2, viz.PageShape(num_kv_heads=1, head_dim=8, dtype_bytes=4)):
             assert row.page_id == 2 * stride + row.j
             v = mm3lab.locate_page(row.page_id, "v", layout, 3, viz.page_bytes(1, 8, 4))
             assert (row.v_storage_page, row.v_byte_offset) == (v.storage_page, v.byte_offset)
@@ -140,6 +140,10 @@ def test_bad_arguments():
         viz.plot_memory_map("dense", 4, block=4)
     with pytest.raises(ValueError, match="num_blocks"):
         viz.page_table_text("dense", 0, 0)
+    with pytest.raises(ValueError, match="head_dim"):
+        viz.PageShape(head_dim=0)
+    with pytest.raises(TypeError, match="num_kv_heads"):
+        viz.PageShape(num_kv_heads=1.5)
     with pytest.raises(ValueError, match="layout"):
         viz.plot_layout("planes", 4, 0)
     with pytest.raises(ValueError, match="block"):

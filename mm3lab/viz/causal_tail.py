@@ -390,32 +390,27 @@ def prefill_mask(topk, block_table_row: Sequence[int] | None, start: int, length
 
 
 def plot_prefill_chunk(
-    topk,
-    block_table_row: Sequence[int] | None = None,
-    start: int = 120,
-    length: int = 16,
-    block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
+    topk, block_table_row: Sequence[int] | None = None, start: int = 120, length: int = 16
 ) -> Figure:
     """Consecutive prefill tokens ``p = start .. start + length - 1``, one row each.
 
     Left: the tokens each row attends (its mask: full blocks whole, the tail up to
     ``p``), a staircase inside the tail block, which consecutive tokens share until
-    ``p`` crosses a block boundary. Right: each row's ``ctx``.
+    ``p`` crosses a block boundary. Right: each row's ``ctx``. Neither depends on
+    ``block_page_stride`` (8 or 16 changes page ids only), so the function takes none.
 
     Args:
         topk: ``[K]`` shared by every row (list or text), or ``[length][K]``.
         block_table_row: ``[M]`` (default :data:`DEMO_BLOCK_TABLE_ROW`).
         start, length: the chunk's first position and number of tokens.
-        block_page_stride: 8 or 16 (page ids differ; the mask and ctx do not).
     """
     table = _table(block_table_row)
-    _check_stride(block_page_stride)
     if start < 0 or length < 1:
         raise ValueError(f"start, length: expected start >= 0 and length >= 1, got {start}, {length}")
     _check_fits(start + length - 1, table, "start + length - 1")
     rows = _rows_of(topk, length)
     mask = prefill_mask(rows, table, start, length)
-    ctxs = [sparse_block_table_row(blk, table, start + i, block_page_stride)[1] for i, blk in enumerate(rows)]
+    ctxs = [plan_sparse_row(blk, start + i, table_width=len(table)).ctx for i, blk in enumerate(rows)]
     fig = Figure(figsize=(11.0, 1.6 + 0.16 * length), layout="constrained")
     ax_mask, ax_ctx = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3.0, 1.0]})
     cmap = ListedColormap([FUTURE_COLOR, SKIPPED_COLOR, _FULL_COLORS[0], TAIL_COLOR])

@@ -13,6 +13,9 @@
 * :func:`plot_layout` / :func:`show_layout`: memory map plus page-id table,
   what the layout widget redraws.
 
+Functions that give byte offsets take a :class:`PageShape` (heads, head size,
+element size of one page; :data:`MODEL_PAGE` by default).
+
 Every function returns a :class:`matplotlib.figure.Figure` made without
 pyplot (nothing to close; Jupyter shows a returned figure once). The page
 mapping comes from :func:`mm3lab.locate_page`, the same code the tests check.
@@ -57,6 +60,31 @@ def page_bytes(num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM, dtype
     return PAGE_SIZE * num_kv_heads * head_dim * dtype_bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class PageShape:
+    """What one page-16 page holds: 16 tokens x ``num_kv_heads`` heads x ``head_dim`` dims of
+    ``dtype_bytes`` each. The pictures take one to turn storage pages into byte offsets."""
+
+    num_kv_heads: int = NUM_KV_HEADS
+    head_dim: int = HEAD_DIM
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        from .._checks import check_int
+
+        for name, value in dataclasses.asdict(self).items():
+            check_int(name, value, minimum=1)
+
+    @property
+    def nbytes(self) -> int:
+        """:func:`page_bytes` of this shape."""
+        return page_bytes(self.num_kv_heads, self.head_dim, self.dtype_bytes)
+
+
+MODEL_PAGE = PageShape()
+"""The model's page: 4 KV heads x 128 dims in bf16, 16 KiB (the pictures' default)."""
+
+
 def _kib(n: int) -> str:
     return f"{n // 1024} KiB" if n % 1024 == 0 else f"{n} B"
 
@@ -79,18 +107,12 @@ class PageRow:
     v_byte_offset: int
 
 
-def page_table(
-    layout: str,
-    num_blocks: int,
-    block: int,
-    num_kv_heads: int = NUM_KV_HEADS,
-    head_dim: int = HEAD_DIM,
-    dtype_bytes: int = 2,
-) -> list[PageRow]:
-    """The 8 rows ``j = 0..7`` of block ``block``: page id ``block * stride + j`` and its K/V locations."""
+def page_table(layout: str, num_blocks: int, block: int, page: PageShape = MODEL_PAGE) -> list[PageRow]:
+    """The 8 rows ``j = 0..7`` of block ``block``: page id ``block * stride + j`` and its K/V locations
+    (byte offsets for pages of shape ``page``)."""
     _check_block(block, num_blocks)
     stride = layout_block_page_stride(layout)
-    nbytes = page_bytes(num_kv_heads, head_dim, dtype_bytes)
+    nbytes = page.nbytes
     rows = []
     for j in range(PAGES_PER_SPARSE_BLOCK):
         pid = block * stride + j
@@ -119,26 +141,18 @@ def _table_cells(rows: list[PageRow]) -> list[list[str]]:
     ]
 
 
-def page_table_text(
-    layout: str,
-    num_blocks: int,
-    block: int,
-    num_kv_heads: int = NUM_KV_HEADS,
-    head_dim: int = HEAD_DIM,
-    dtype_bytes: int = 2,
-) -> str:
+def page_table_text(layout: str, num_blocks: int, block: int, page: PageShape = MODEL_PAGE) -> str:
     """The page-id table of one block as aligned text (what the notebook prints)."""
     from .._checks import check_int
 
     check_int("num_blocks", num_blocks, minimum=1)
     check_int("block", block, minimum=0, maximum=num_blocks - 1)
-    check_int("num_kv_heads", num_kv_heads, minimum=1)
-    rows = page_table(layout, num_blocks, block, num_kv_heads, head_dim, dtype_bytes)
-    nbytes = page_bytes(num_kv_heads, head_dim, dtype_bytes)
+    rows = page_table(layout, num_blocks, block, page)
     stride = layout_block_page_stride(layout)
     head = (
         f"{layout} layout, {num_blocks} blocks, block {block}: page ids {block}*{stride}+j "
-        f"(page = {PAGE_SIZE} tokens x {num_kv_heads} heads x {head_dim} dims x {dtype_bytes} bytes = {nbytes} bytes)"
+        f"(page = {PAGE_SIZE} tokens x {page.num_kv_heads} heads x {page.head_dim} dims x {page.dtype_bytes} bytes "
+        f"= {page.nbytes} bytes)"
     )
     cells = [list(TABLE_COLUMNS)] + _table_cells(rows)
     widths = [max(len(row[c]) for row in cells) for c in range(len(TABLE_COLUMNS))]
@@ -146,17 +160,9 @@ def page_table_text(
     return "\n".join(lines)
 
 
-def plot_page_id_table(
-    layout: str,
-    num_blocks: int,
-    block: int,
-    num_kv_heads: int = NUM_KV_HEADS,
-    head_dim: int = HEAD_DIM,
-    dtype_bytes: int = 2,
-    ax=None,
-) -> Figure:
+def plot_page_id_table(layout: str, num_blocks: int, block: int, page: PageShape = MODEL_PAGE, ax=None) -> Figure:
     """The page-id table of one block drawn as a matplotlib table."""
-    rows = page_table(layout, num_blocks, block, num_kv_heads, head_dim, dtype_bytes)
+    rows = page_table(layout, num_blocks, block, page)
     fig, ax = _figure_and_axes(ax, (10, 3))
     ax.axis("off")
     table = ax.table(cellText=_table_cells(rows), colLabels=list(TABLE_COLUMNS), loc="center", cellLoc="center")
@@ -216,25 +222,17 @@ def _side_legend(ax, **kw):
     ax.legend(handles=handles, **kw)
 
 
-def plot_memory_map(
-    layout: str,
-    num_blocks: int,
-    block: int = 0,
-    num_kv_heads: int = NUM_KV_HEADS,
-    head_dim: int = HEAD_DIM,
-    dtype_bytes: int = 2,
-    ax=None,
-) -> Figure:
+def plot_memory_map(layout: str, num_blocks: int, block: int = 0, page: PageShape = MODEL_PAGE, ax=None) -> Figure:
     """The cache's memory in order, 16 page-16 pages per row.
 
     Each cell is one storage page, coloured by its block (V lightened and
     hatched) and labelled ``b<block>`` / ``K<j>`` or ``V<j>``. The 16 pages of
     ``block`` are outlined (``gid="highlight"``) and show the page id that
     reaches them (through ``k_cache`` for K, ``v_cache`` for V). The y axis
-    gives each row's byte offset for ``num_kv_heads`` heads of ``head_dim``.
+    gives each row's byte offset for pages of shape ``page``.
     """
     _check_block(block, num_blocks)
-    nbytes = page_bytes(num_kv_heads, head_dim, dtype_bytes)
+    nbytes = page.nbytes
     stride = layout_block_page_stride(layout)
     fig, ax = _figure_and_axes(ax, (12, 0.75 * num_blocks + 1.6))
     for s in range(num_blocks * PAGES_PER_ROW):
@@ -476,14 +474,7 @@ def plot_rebase(block_table=(2, 0, 3), num_blocks: int = 4) -> Figure:
 # ----------------------------------------------------------------------------
 
 
-def plot_layout(
-    layout: str,
-    num_blocks: int = 4,
-    block: int = 0,
-    num_kv_heads: int = NUM_KV_HEADS,
-    head_dim: int = HEAD_DIM,
-    dtype_bytes: int = 2,
-) -> Figure:
+def plot_layout(layout: str, num_blocks: int = 4, block: int = 0, page: PageShape = MODEL_PAGE) -> Figure:
     """Memory map (top) and page-id table (bottom) of one block, in one figure."""
     _check_block(block, num_blocks)
     # Fixed margins (inches) instead of a layout engine: the widget redraws this figure on every
@@ -496,8 +487,8 @@ def plot_layout(
     axes_width = (width - left - right) / width
     top = fig.add_axes((left / width, map_bottom / height, axes_width, (height - top_margin - map_bottom) / height))
     bottom = fig.add_axes((left / width, pad / height, axes_width, table_height / height))
-    plot_memory_map(layout, num_blocks, block, num_kv_heads, head_dim, dtype_bytes, ax=top)
-    plot_page_id_table(layout, num_blocks, block, num_kv_heads, head_dim, dtype_bytes, ax=bottom)
+    plot_memory_map(layout, num_blocks, block, page, ax=top)
+    plot_page_id_table(layout, num_blocks, block, page, ax=bottom)
     for cell in bottom.tables[0].get_celld().values():  # rows 0.26 in tall, as under constrained layout
         cell.set_height(0.26 / table_height)
     return fig
@@ -506,13 +497,17 @@ def plot_layout(
 def show_layout(
     layout: str = "packed", block: int = 0, num_kv_heads: int = NUM_KV_HEADS, num_blocks: int = 4
 ) -> Figure:
-    """Print the page-id table of ``block`` and return :func:`plot_layout`'s figure (the widget's callback)."""
-    print(page_table_text(layout, num_blocks, block, num_kv_heads))
-    return plot_layout(layout, num_blocks, block, num_kv_heads)
+    """Print the page-id table of ``block`` and return :func:`plot_layout`'s figure (the widget's callback),
+    for pages of ``num_kv_heads`` heads of the model's head size in bf16."""
+    page = PageShape(num_kv_heads=num_kv_heads)
+    print(page_table_text(layout, num_blocks, block, page))
+    return plot_layout(layout, num_blocks, block, page)
 
 
 __all__ = [
+    "MODEL_PAGE",
     "PageRow",
+    "PageShape",
     "RebaseRead",
     "page_bytes",
     "page_table",

@@ -158,14 +158,13 @@ def plot_prefill_tiles(
     query_abs_pos: torch.Tensor,
     head: int = 0,
     tile: int = SPARSE_BLOCK_SIZE,
-    head_dim: int = 128,
-    elem_bytes: int = 2,
     title: str | None = None,
 ) -> Figure:
     """Left: query tiles x blocks coloured by how many queries of the tile chose the block.
-    Right: MB read per tile by the per-token kernel and by the tiled kernel."""
+    Right: MB read per tile by the per-token kernel and by the tiled kernel, from
+    :func:`bytes_per_tile` at its defaults (head_dim 128, bf16: the model's)."""
     counts = tile_block_counts(topk_idx, query_abs_pos, head, tile)
-    per_token, tiled = bytes_per_tile(topk_idx, query_abs_pos, head, tile, head_dim, elem_bytes)
+    per_token, tiled = bytes_per_tile(topk_idx, query_abs_pos, head, tile)
     fig = Figure(figsize=(11.0, 3.8), layout="constrained")
     ax, bx = fig.subplots(1, 2, width_ratios=[2.2, 1.0])
     masked = np.ma.masked_equal(counts, 0)
