@@ -68,3 +68,7 @@ from .msa import MSAStep, dense_decode, dense_prefill, msa_decode, msa_prefill  
 from .plan import MSADecodePlan, MSAPrefillPlan  # noqa: E402
 
 from . import compat, reference, testing  # noqa: E402,F401  (mm3lab.reference.<name> after a plain import mm3lab)
+
+from ._twin import bind_signatures  # noqa: E402
+
+bind_signatures()  # each reference twin shows its entry point's signature (mm3lab._twin)

@@ -8,6 +8,7 @@ import pytest
 
 import mm3lab
 from mm3lab import reference
+from mm3lab._twin import twin_of
 from mm3lab.compat import vllm
 
 TOP_LEVEL = [
@@ -41,6 +42,30 @@ def test_every_entry_point_has_a_reference_twin_with_the_same_signature(name):
     assert callable(public) and callable(twin)
     public_params = [p for p in inspect.signature(public).parameters if p not in KERNEL_CHOICE]
     assert public_params == list(inspect.signature(twin).parameters)
+    # defaults, keyword-only markers and annotations too: the twin takes them from the entry point
+    public_signature = inspect.signature(public)
+    kept = [p for name, p in public_signature.parameters.items() if name not in KERNEL_CHOICE]
+    assert inspect.signature(twin) == public_signature.replace(parameters=kept)
+
+
+def test_a_twin_is_called_with_its_entry_points_defaults():
+    @twin_of("mm3lab.block_table")
+    def build_sparse_block_table_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out):
+        return locals()
+
+    seen = build_sparse_block_table_decode("t", "b", seq_lens="s")
+    defaults = {"decode_query_len": 1, "block_page_stride": 8, "out": None}
+    assert seen == {"topk_idx": "t", "block_table": "b", "seq_lens": "s", **defaults}
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        build_sparse_block_table_decode("t", "b", "s", 1, 8, None)  # out is keyword-only at the entry point
+
+
+def test_a_twin_that_names_other_parameters_is_refused():
+    with pytest.raises(TypeError, match="not parameters of mm3lab.attention.sparse_attention in its order"):
+
+        @twin_of("mm3lab.attention")
+        def sparse_attention(q, scale, k_cache):
+            pass
 
 
 @pytest.mark.parametrize("name,value", sorted(CONSTANTS.items()))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_index, check_same_device, check_tensor, first_bad_row, validation_enabled
+from .._twin import twin_of
 from ..constants import PAGE_SIZE, SPARSE_BLOCK_SIZE
 from .checks import check_sparse_attention, clamp_ctx, readable_pages
 
@@ -41,19 +42,8 @@ def _load(cache: torch.Tensor, scale: torch.Tensor | None, page: int, rows: int,
     return values if scale is None else values * scale[page, :rows, h, None]
 
 
-def sparse_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    sparse_bt: torch.Tensor,
-    sparse_ctx: torch.Tensor,
-    scale: float | None = None,
-    *,
-    return_lse: bool = False,
-    out: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-):
+@twin_of("mm3lab.attention")
+def sparse_attention(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse, out, k_scale, v_scale):
     """Single-query paged attention of every (row, KV head) over its page list.
 
     For row ``n`` and KV head ``h``, the keys are the first ``ctx = sparse_ctx[h, n]``

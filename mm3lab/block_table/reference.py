@@ -18,8 +18,8 @@ table's width is never read (it counts as not selected).
 
 The two entry points loop over rows and call it: decode rows get their position
 from ``seq_lens`` (the SPEC 2 row rule, :mod:`mm3lab.rows`), prefill rows carry theirs.
-They have the same signatures as the kernel entry
-points in :mod:`mm3lab.block_table` and are the specification those are tested against.
+They take the signatures of the kernel entry points in :mod:`mm3lab.block_table`
+(:func:`mm3lab._twin.twin_of`) and are the specification those are tested against.
 
 Small helpers the notebooks, the ``mm3lab explain`` command and other modules use:
 
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._twin import twin_of
 from ..constants import PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
 from ..rows import decode_rows
 from .checks import check_decode, check_prefill
@@ -205,15 +206,8 @@ def _fill(topk_idx, block_table, rows, block_page_stride, out):
     return out[0].copy_(result_bt), out[1].copy_(result_ctx)
 
 
-def build_sparse_block_table_decode(
-    topk_idx: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    decode_query_len: int = 1,
-    block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
-    *,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@twin_of("mm3lab.block_table")
+def build_sparse_block_table_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out):
     """Sparse block table of decode rows (rows: SPEC 2, :func:`mm3lab.rows.decode_rows`), as loops.
 
     Arguments and results: :func:`mm3lab.build_sparse_block_table_decode`.
@@ -224,15 +218,8 @@ def build_sparse_block_table_decode(
     return _fill(topk_idx, block_table, rows, block_page_stride, out)
 
 
-def build_sparse_block_table_prefill(
-    topk_idx: torch.Tensor,
-    block_table: torch.Tensor,
-    query_req_id: torch.Tensor,
-    query_abs_pos: torch.Tensor,
-    block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
-    *,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@twin_of("mm3lab.block_table")
+def build_sparse_block_table_prefill(topk_idx, block_table, query_req_id, query_abs_pos, block_page_stride, out):
     """Sparse block table of prefill rows, each with its own request id and absolute position, as loops.
 
     Arguments and results: :func:`mm3lab.build_sparse_block_table_prefill`.

@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from .._twin import twin_of
 from ..constants import SPARSE_BLOCK_SIZE
 from ..fp8 import quantize
 from .checks import check_insert_index_cache, check_token_slots, index_cache_slots
 
 
-def insert_index_cache(
-    index_k: torch.Tensor,
-    index_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    index_scale: torch.Tensor | None = None,
-) -> None:
+@twin_of("mm3lab.index_cache")
+def insert_index_cache(index_k, index_cache, slot_mapping, index_scale):
     """Write each token's index key to its slot, in place.
 
     Args:

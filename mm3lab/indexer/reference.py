@@ -28,19 +28,22 @@ An FP8 index cache (``float8_e4m3fn`` keys with per-token float32 scales
 ``index_scale``, SPEC section 9) is read as the keys it stands for,
 ``key * scale``, in float32; the rule above is then unchanged.
 
-These functions have the same signatures as the entry points in
-:mod:`mm3lab.indexer` and are the specification those are tested against.
+The entry point twins take the signatures of the entry points in :mod:`mm3lab.indexer`
+(:func:`mm3lab._twin.twin_of`: parameters and defaults are stated there) and are the
+specification those are tested against.
 """
 
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Sequence
 
 import torch
 
+from .._twin import twin_of
 from ..block_table.reference import build_sparse_block_table_decode, build_sparse_block_table_prefill
-from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, RAW_SCORE_LIMIT, SPARSE_BLOCK_SIZE
+from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, RAW_SCORE_LIMIT, SPARSE_BLOCK_SIZE
 from ..fp8 import dequantize
 from ..rows import decode_rows
 from .checks import NO_TOPK, check_decode, check_prefill, check_topk_scores
@@ -140,12 +143,6 @@ def _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, 
     return scores.to(index_q.device)
 
 
-def _select(index_q, index_cache, block_table, rows, topk: int, init_blocks, local_blocks, index_scale) -> torch.Tensor:
-    """``rows[n] = (request, p)``; steps 2-3: the forced scores, then their top-k."""
-    scores = _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, True, index_scale)
-    return _topk(scores, rows, topk)
-
-
 def _topk(scores: torch.Tensor, rows, topk: int) -> torch.Tensor:
     """Top-k of every (head, row) of forced scores ``[H, N, M]`` over its ``valid`` candidates."""
     h, n_rows, m = scores.shape
@@ -162,102 +159,70 @@ def _prefill_rows(block_table, query_req_id, query_abs_pos):
     return [(r if 0 <= r < b else -1, p) for r, p in zip(query_req_id.tolist(), query_abs_pos.tolist(), strict=False)]
 
 
+def _run(arguments: dict) -> torch.Tensor:
+    """Steps 2-3 of one call, from all the entry point's arguments by name (its ``locals()``): the checks
+    and rows of decode (``seq_lens``) or prefill rows, the scores, then with a ``topk`` their top-k."""
+    a = types.SimpleNamespace(**arguments)
+    topk, forced = arguments.get("topk", NO_TOPK), arguments.get("forced", True)
+    tensors, selection = (a.index_q, a.index_cache, a.block_table), (a.init_blocks, a.local_blocks)
+    if "seq_lens" in arguments:
+        check_decode(*tensors, a.seq_lens, topk, a.decode_query_len, *selection, a.index_scale)
+        rows = _decode_rows(a.seq_lens, a.decode_query_len)
+    else:
+        check_prefill(*tensors, a.query_req_id, a.query_abs_pos, topk, *selection, a.index_scale)
+        rows = _prefill_rows(a.block_table, a.query_req_id, a.query_abs_pos)
+    scores = _scores(*tensors, rows, *selection, forced, a.index_scale)
+    return scores if topk is NO_TOPK else _topk(scores, rows, topk)
+
+
+@twin_of("mm3lab.indexer")
 def index_scores_decode(
-    index_q: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    decode_query_len: int = 1,
-    init_blocks: int = 0,
-    local_blocks: int = 1,
-    forced: bool = False,
-    *,
-    index_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    index_q, index_cache, block_table, seq_lens, decode_query_len, init_blocks, local_blocks, forced, index_scale
+):
     """Block scores of decode rows (step 2): ``[H, N, M]`` float32, ``-inf`` at every non-candidate;
     forcing applied (and NaN as ``-1e30``) only with ``forced``. Arguments: :func:`mm3lab.index_scores_decode`."""
-    check_decode(
-        index_q, index_cache, block_table, seq_lens, NO_TOPK, decode_query_len, init_blocks, local_blocks, index_scale
-    )
-    rows = _decode_rows(seq_lens, decode_query_len)
-    return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced, index_scale)
+    return _run(locals())  # every argument, by name
 
 
+@twin_of("mm3lab.indexer")
 def index_scores_prefill(
-    index_q: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_req_id: torch.Tensor,
-    query_abs_pos: torch.Tensor,
-    init_blocks: int = 0,
-    local_blocks: int = 1,
-    forced: bool = False,
-    *,
-    index_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    index_q, index_cache, block_table, query_req_id, query_abs_pos, init_blocks, local_blocks, forced, index_scale
+):
     """Block scores of prefill rows (step 2), as :func:`index_scores_decode`; arguments:
     :func:`mm3lab.index_scores_prefill`."""
-    check_prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, NO_TOPK, init_blocks, local_blocks, index_scale
-    )
-    rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
-    return _scores(index_q, index_cache, block_table, rows, init_blocks, local_blocks, forced, index_scale)
+    return _run(locals())  # every argument, by name
 
 
+@twin_of("mm3lab.indexer")
 def index_topk_decode(
-    index_q: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    topk: int,
-    decode_query_len: int = 1,
-    init_blocks: int = 0,
-    local_blocks: int = 1,
-    *,
-    index_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
+):
     """Selected blocks of decode rows (steps 2-3): ``[H, N, topk]`` int32, ``-1`` padding.
     Arguments: :func:`mm3lab.index_topk_decode`."""
-    check_decode(
-        index_q, index_cache, block_table, seq_lens, topk, decode_query_len, init_blocks, local_blocks, index_scale
-    )
-    rows = _decode_rows(seq_lens, decode_query_len)
-    return _select(index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks, index_scale)
+    return _run(locals())  # every argument, by name
 
 
+@twin_of("mm3lab.indexer")
 def index_topk_prefill(
-    index_q: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_req_id: torch.Tensor,
-    query_abs_pos: torch.Tensor,
-    topk: int,
-    init_blocks: int = 0,
-    local_blocks: int = 1,
-    *,
-    index_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
+):
     """Selected blocks of prefill rows (steps 2-3): ``[H, N, topk]`` int32, ``-1`` padding."""
-    check_prefill(
-        index_q, index_cache, block_table, query_req_id, query_abs_pos, topk, init_blocks, local_blocks, index_scale
-    )
-    rows = _prefill_rows(block_table, query_req_id, query_abs_pos)
-    return _select(index_q, index_cache, block_table, rows, topk, init_blocks, local_blocks, index_scale)
+    return _run(locals())  # every argument, by name
 
 
+@twin_of("mm3lab.indexer")
 def index_topk_block_table_decode(
-    index_q: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    topk: int,
-    decode_query_len: int = 1,
-    init_blocks: int = 0,
-    local_blocks: int = 1,
-    block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
-    *,
-    index_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    index_q,
+    index_cache,
+    block_table,
+    seq_lens,
+    topk,
+    decode_query_len,
+    init_blocks,
+    local_blocks,
+    block_page_stride,
+    index_scale,
+):
     """:func:`index_topk_decode`, then :func:`mm3lab.reference.build_sparse_block_table_decode` on its result:
     ``(topk_idx, sparse_bt, sparse_ctx)`` as :func:`mm3lab.index_topk_block_table_decode` returns them."""
     selection = (topk, decode_query_len, init_blocks, local_blocks)
@@ -268,19 +233,19 @@ def index_topk_block_table_decode(
     return topk_idx, sparse_bt, sparse_ctx
 
 
+@twin_of("mm3lab.indexer")
 def index_topk_block_table_prefill(
-    index_q: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_req_id: torch.Tensor,
-    query_abs_pos: torch.Tensor,
-    topk: int,
-    init_blocks: int = 0,
-    local_blocks: int = 1,
-    block_page_stride: int = PAGES_PER_SPARSE_BLOCK,
-    *,
-    index_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    index_q,
+    index_cache,
+    block_table,
+    query_req_id,
+    query_abs_pos,
+    topk,
+    init_blocks,
+    local_blocks,
+    block_page_stride,
+    index_scale,
+):
     """:func:`index_topk_prefill`, then :func:`mm3lab.reference.build_sparse_block_table_prefill`."""
     selection = (topk, init_blocks, local_blocks)
     topk_idx = index_topk_prefill(

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from .._twin import twin_of
 from ..constants import PAGE16_SIDES_PER_BLOCK, PAGE_SIZE, SPARSE_BLOCK_SIZE
 from ..fp8 import quantize
 from .checks import cache_slots, check_rebase_block_table, check_rebase_slots, check_write_kv
 
 
-def rebase_block_table_to_page16(block_table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+@twin_of("mm3lab.layout")
+def rebase_block_table_to_page16(block_table, out):
     """Every block id ``b`` becomes ``2 * b`` (negative ids too).
 
     Args:
@@ -30,7 +32,8 @@ def rebase_block_table_to_page16(block_table: torch.Tensor, out: torch.Tensor | 
     return out
 
 
-def rebase_slot_mapping_to_page16(slots: torch.Tensor) -> torch.Tensor:
+@twin_of("mm3lab.layout")
+def rebase_slot_mapping_to_page16(slots):
     """Slot ``s = block * 128 + off`` becomes ``2 * block * 128 + off``; negative slots stay.
 
     Args:
@@ -44,16 +47,8 @@ def rebase_slot_mapping_to_page16(slots: torch.Tensor) -> torch.Tensor:
     return torch.tensor(rebased, dtype=slots.dtype).reshape(slots.shape).to(slots.device)
 
 
-def write_kv_page16(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
+@twin_of("mm3lab.layout")
+def write_kv_page16(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     """Write each token's K and V to its page-16 slot, in place.
 
     Args:

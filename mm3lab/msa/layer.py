@@ -142,15 +142,10 @@ def _check_inserts(
     check_tensor("value", value, shape=(n, hkv, d), dtypes=(kv_dtype,))
     check_scale(scale, d)
     check_same_device(q=q, k_cache=k_cache, key=key, value=value, block_table=block_table)
-    check_no_alias(  # (None entries are skipped)
-        k_cache=k_cache,
-        v_cache=v_cache,
-        index_cache=index_cache,
-        index_scale=index_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        inputs={"q": q, "key": key, "value": value, "index_k": index_k},
-    )
+    caches = {"k_cache": k_cache, "v_cache": v_cache, "index_cache": index_cache}
+    scales = {"index_scale": index_scale, "k_scale": k_scale, "v_scale": v_scale}
+    inputs = {"q": q, "key": key, "value": value, "index_k": index_k}
+    check_no_alias(inputs=inputs, **caches, **scales)  # what the step writes, against its inputs (None: skipped)
     check_write_kv(key, value, k_cache, v_cache, slots, k_scale, v_scale, block_page_stride=block_page_stride)
     if index_cache is not None:
         check_insert_index_cache(index_k, index_cache, slots, index_scale)

@@ -8,10 +8,9 @@ the sparse attention are each the readable reference, on any device and any back
 
 from __future__ import annotations
 
-import functools
-import inspect
 import types
 
+from .._twin import twin_of
 from ..rows import decode_query_rows
 from . import layer
 
@@ -38,21 +37,13 @@ def _steps():
     return types.SimpleNamespace(rows_and_slots=rows_and_slots, **{name: getattr(reference, name) for name in names})
 
 
-def _twin(layer_function):
-    """``layer_function`` (:func:`mm3lab.msa_decode` or ``msa_prefill``) on the reference steps:
-    the same signature and argument binding, then :func:`mm3lab.msa.layer.run_layer`."""
-    signature = inspect.signature(layer_function)
-
-    @functools.wraps(layer_function)
-    def twin(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return layer.run_layer(_steps(), bound.arguments)
-
-    twin.__module__ = __name__
-    twin.__doc__ = f":func:`mm3lab.{layer_function.__name__}` from the reference steps (:mod:`mm3lab.reference`)."
-    return twin
+@twin_of("mm3lab.msa.layer")
+def msa_decode(**arguments):
+    """:func:`mm3lab.msa_decode` from the reference steps (:mod:`mm3lab.reference`)."""
+    return layer.run_layer(_steps(), arguments)
 
 
-msa_decode = _twin(layer.msa_decode)
-msa_prefill = _twin(layer.msa_prefill)
+@twin_of("mm3lab.msa.layer")
+def msa_prefill(**arguments):
+    """:func:`mm3lab.msa_prefill` from the reference steps (:mod:`mm3lab.reference`)."""
+    return layer.run_layer(_steps(), arguments)

@@ -2,7 +2,9 @@
 
 Each is written as plain loops in the SPEC's terms: it is the specification
 the Triton kernels are tested against, and the code to read when a kernel's
-behaviour is in question. They run on any device, slowly. By step: layout
+behaviour is in question. They run on any device, slowly. Each takes its entry
+point's signature (:mod:`mm3lab._twin`: parameters and defaults are stated once, at
+the entry point); its body names the arguments it reads. By step: layout
 (SPEC 4), block table (SPEC 3), index cache and indexer (SPEC 2, steps 1-3),
 attention (SPEC 5), and the whole layer, ``msa_decode`` / ``msa_prefill`` (SPEC 2).
 """
@@ -19,19 +21,7 @@ from ..block_table.reference import (  # noqa: F401
 )
 from ..constants import PAGE16_SIDES_PER_BLOCK, PAGE_SIZE, PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE  # noqa: F401
 from ..index_cache.reference import insert_index_cache, token_slots  # noqa: F401
-from ..indexer.reference import (  # noqa: F401
-    block_score,
-    candidate_blocks,
-    force_scores,
-    index_scores_decode,
-    index_scores_prefill,
-    index_topk_block_table_decode,
-    index_topk_block_table_prefill,
-    index_topk_decode,
-    index_topk_prefill,
-    select_topk,
-    topk_blocks,
-)
+from ..indexer.reference import *  # noqa: F403  (the names of its __all__: entry point twins and row helpers)
 from ..layout.reference import (  # noqa: F401
     rebase_block_table_to_page16,
     rebase_slot_mapping_to_page16,
