@@ -88,15 +88,15 @@ def test_replayed_runs_equal_normal_launches_and_rerecord_on_new_strides_alignme
 
 def _prefill_rows(g, n, *, chunks: bool):
     """``(query_req_id, query_abs_pos, [q, key, value, index_q, index_k])`` of ``n`` prefill rows over two
-    requests of 700 tokens: random requests and positions (padded rows among them), or ``chunks``, each
+    requests of 700 tokens: random distinct requests and positions (padded rows among them), or ``chunks``, each
     request's half of the rows at consecutive positions from a random start."""
     if chunks:
         req = torch.arange(n, device="cuda", dtype=torch.int32) // (n // 2)
         start = torch.randint(0, 700 - n // 2, (2,), generator=g, device="cuda", dtype=torch.int32)
         pos = start[req] + torch.arange(n, device="cuda", dtype=torch.int32) % (n // 2)
-    else:
-        req = torch.randint(0, 2, (n,), generator=g, device="cuda", dtype=torch.int32)
-        pos = torch.randint(-1, 700, (n,), generator=g, device="cuda", dtype=torch.int32)
+    else:  # distinct (request, position) pairs: two rows writing one slot leave which write lands unspecified
+        pick = torch.randperm(2 * 701, generator=g, device="cuda")[:n].to(torch.int32)
+        req, pos = pick // 701, pick % 701 - 1  # (position -1: a padded row, which writes nothing)
     x = [
         torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
         for shape in ((n, 8, 64), (n, 2, 64), (n, 2, 64), (n, 2, 64), (n, 64))

@@ -89,7 +89,8 @@ def insert_index_cache(
         index_k: ``[N, Di]`` float32/float16/bfloat16 in the cache's dtype (any of them for an
             FP8 cache); any strides.
         index_cache: ``[num_blocks, 128, Di]``, contiguous head dim (last dimension).
-        slot_mapping: ``[N]`` int32/int64 slots.
+        slot_mapping: ``[N]`` int32/int64 slots, distinct where not negative (a repeated slot: which
+            key lands is unspecified on a GPU; not checked).
         index_scale: ``[num_blocks, 128]`` float32 scales, required for an FP8 cache, ``None`` otherwise.
     Raises:
         TypeError: a non-tensor, float slots, a dtype that differs from the cache's.

@@ -127,7 +127,8 @@ def write_kv_page16(
     Args:
         key, value: ``[N, H, D]`` in the cache's dtype (any float dtype for an FP8 cache).
         k_cache, v_cache: page-16 views ``[pages, 16, H, D]`` (dense or packed).
-        slot_mapping: ``[N]`` int32/int64 page-128 slots.
+        slot_mapping: ``[N]`` int32/int64 page-128 slots, distinct where not negative (two tokens
+            with one slot: which write lands is unspecified on a GPU; not checked).
         k_scale, v_scale: FP8 caches only (``PagedKVCache.k_scale`` / ``.v_scale``, ``[pages, 16, H]``
             float32): each (token, KV head) vector is quantized, ``scale = amax(|x|) / 448`` (1 for
             zeros), stored ``x / scale`` in e4m3 (SPEC section 9); kernel and reference store the same bits.

@@ -371,7 +371,9 @@ def msa_prefill(
 
     Args:
         as :func:`msa_decode`, with ``query_req_id [N]`` and ``query_abs_pos [N]``
-        (negative = padded row) in place of ``seq_lens`` and ``decode_query_len``.
+        (negative = padded row) in place of ``seq_lens`` and ``decode_query_len``. Rows that are
+        not padded name distinct tokens: two rows of one (request, position) write one cache slot,
+        and which write lands is unspecified on a GPU (not checked).
     Returns:
         ``out [N, Hq, D]``, or ``(out, MSAStep)``.
     """
