@@ -131,7 +131,8 @@ def test_prefill_plan_replays_with_new_rows():
 
 
 @needs_gpu
-def test_a_tiled_prefill_plan_is_not_replayed_and_stays_exact():
+@pytest.mark.parametrize("chunks", [True, False], ids=["chunks", "random-rows"])
+def test_a_tiled_prefill_plan_is_not_replayed_and_stays_exact(chunks):
     """The tiled kernel's pre-pass fills its tables with PyTorch ops before its launch: a replay would
     leave the fills out, so such a run is not recorded (every run launches normally)."""
     layer = _layer(batch=2, context=700)
@@ -142,7 +143,7 @@ def test_a_tiled_prefill_plan_is_not_replayed_and_stays_exact():
     tiled = mm3lab.MSAPrefillPlan(ka, va, ica, algorithm="tiled", **kw)
     g = torch.Generator(device="cuda").manual_seed(6)
     for step in range(4):
-        req, pos, x = _prefill_rows(g, n, chunks=True)
+        req, pos, x = _prefill_rows(g, n, chunks=chunks)
         got = tiled.run(*x, ka, va, ica, layer.block_table, req, pos).clone()
         want = mm3lab.msa_prefill(*x, kb, vb, icb, layer.block_table, req, pos, topk=4)
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=lambda m, step=step: f"step {step}: {m}")
