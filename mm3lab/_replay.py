@@ -44,6 +44,10 @@ from . import backend
 ENABLED = True
 """Record and replay eager plan runs (where :func:`supported`); ``False``: always launch normally."""
 
+DIRECT = True
+"""Replayed launches call the compiled launcher's C entry with addresses (:func:`direct_launcher`);
+``False``: through :func:`launch_compiled` with the tensors (benchmarks compare both)."""
+
 VERIFIED_TRITON = ("3.6.",)
 """Triton versions (prefixes) whose launcher call this module was verified against."""
 
@@ -74,10 +78,17 @@ def _caches_meta(caches) -> tuple:
 
 
 class _Launch:
-    __slots__ = ("kernel", "grid", "values", "subs")
+    """One recorded launch. ``values``: its bound arguments (tensors as passed); ``direct``: the
+    compiled launcher's C entry and the arguments before the kernel's own, where it can be called
+    directly (:func:`direct_launcher`), with ``addresses``: ``values`` with every GPU tensor as
+    its address (the launcher asks the driver about each tensor it is given; an address it takes as is)."""
+
+    __slots__ = ("kernel", "grid", "values", "subs", "direct", "addresses")
 
     def __init__(self, kernel, grid, values, subs):
         self.kernel, self.grid, self.values, self.subs = kernel, grid, values, subs
+        self.direct = direct_launcher(kernel, grid)
+        self.addresses = [v.data_ptr() if isinstance(v, torch.Tensor) and v.is_cuda else v for v in values]
 
 
 class Recording:
@@ -135,18 +146,48 @@ class Recording:
         for launch in self.launches:
             for pos, _ in launch.subs:
                 launch.values[pos] = None
+                launch.addresses[pos] = None
 
     def replay(self, inputs: dict, device: torch.device, stream=None) -> None:
         """The recorded launches with ``inputs`` in place (the caller checked :meth:`matches`), on
-        ``stream`` (a handle as :func:`current_stream` gives; default: ``device``'s current stream)."""
+        ``stream`` (a handle as :func:`current_stream` gives; default: ``device``'s current stream).
+
+        Each launch calls the compiled launcher directly with the inputs' addresses where it can
+        (:func:`direct_launcher`; no launch hook set), else :func:`launch_compiled` with the tensors.
+        """
         self.replays += 1
         if stream is None:
             stream = current_stream(device)
+        idle = DIRECT and hooks_idle()
         for launch in self.launches:
+            direct = launch.direct
+            if direct is not None and idle:
+                values = launch.addresses
+                for pos, name in launch.subs:
+                    values[pos] = inputs[name].data_ptr()
+                c_launch, grid, cooperative, pdl = direct
+                kernel = launch.kernel
+                c_launch(
+                    *grid,
+                    stream,
+                    kernel.function,
+                    cooperative,
+                    pdl,
+                    None,
+                    None,
+                    kernel.packed_metadata,
+                    *_NO_HOOKS,
+                    *values,
+                )
+                for pos, _ in launch.subs:  # (no stale addresses kept)
+                    values[pos] = None
+                continue
             values = launch.values
             for pos, name in launch.subs:
                 values[pos] = inputs[name]
             launch_compiled(launch.kernel, launch.grid, values, stream)
+            for pos, _ in launch.subs:
+                values[pos] = None
 
 
 def current_stream(device: torch.device):
@@ -154,6 +195,24 @@ def current_stream(device: torch.device):
     from triton.runtime.driver import driver
 
     return driver.active.get_current_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_NO_HOOKS = (None, None, None)  # launch metadata, enter hook, exit hook
+
+
+def direct_launcher(kernel, grid) -> tuple | None:
+    """``(C launch function, grid, cooperative flag, PDL flag)`` of a compiled kernel whose launcher
+    can be called directly: Triton's CUDA launcher (``CudaLauncher``) of a kernel that needs no
+    global or profiling scratch memory (the launcher would allocate it per launch). ``None``
+    elsewhere (other launchers, scratch): such launches go through :func:`launch_compiled`."""
+    run = kernel.run
+    c_launch = getattr(run, "launch", None)
+    fields = ("global_scratch_size", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl")
+    if type(run).__name__ != "CudaLauncher" or c_launch is None or not all(hasattr(run, f) for f in fields):
+        return None
+    if run.global_scratch_size or run.profile_scratch_size:
+        return None
+    return c_launch, tuple(grid), run.launch_cooperative_grid, run.launch_pdl
 
 
 def launch_compiled(kernel, grid: tuple[int, int, int], values, stream) -> None:
@@ -386,6 +445,7 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 
 __all__ = [
+    "DIRECT",
     "ENABLED",
     "VERIFIED_TRITON",
     "Memo",

@@ -46,7 +46,7 @@ import triton.language as tl
 from . import _replay, backend
 from ._grid import cdiv, next_power_of_2
 
-__all__ = ["Segment", "any_bad", "flags", "kernel_on_cpu", "reset_stats", "stats"]
+__all__ = ["Segment", "any_bad", "flags", "fused_flags", "kernel_on_cpu", "read_fused", "reset_stats", "stats"]
 
 KINDS = ("all", "len", "live", "gather", "gather_last")
 _MODE = {kind: i + 1 for i, kind in enumerate(KINDS)}
@@ -513,6 +513,26 @@ def _launch_and_read(segments: list[Segment], flags_buf: torch.Tensor, host: tor
         flags_buf.zero_()
         host.zero_()
         stream.synchronize()
+    return values
+
+
+def fused_flags(device: torch.device) -> torch.Tensor | None:
+    """This thread's zeroed flags buffer in pinned host memory, for a kernel that runs a call's value
+    checks itself and writes its flags there as it runs (zero-copy, :data:`ZERO_COPY`); ``None``
+    where there is none (a CPU device, zero-copy off, graph capture): such a call runs :func:`flags`."""
+    if device.type != "cuda" or not ZERO_COPY or torch.cuda.is_current_stream_capturing():
+        return None
+    return _flags_buffers(device)[1]
+
+
+def read_fused(host: torch.Tensor, device: torch.device) -> list[int]:
+    """The flags a launch wrote into :func:`fused_flags`' buffer: wait for the stream, read them
+    (one host read), and zero them again where one is set."""
+    _stats["host_reads"] += 1
+    torch.cuda.current_stream(device).synchronize()
+    values = host.tolist()
+    if any(values):
+        host.zero_()
     return values
 
 

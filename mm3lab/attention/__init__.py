@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import _replay, backend
-from .._checks import check_scale
+from .. import _replay, _valcheck, backend
+from .._checks import check_scale, validation_enabled
+from ..constants import PAGES_PER_SPARSE_BLOCK
+from ..layout.views import PACKED_STRIDE
 from . import reference
-from .checks import check_sparse_attention, check_sparse_attention_values
+from .checks import _detail, check_sparse_attention, check_sparse_attention_values
 from .reference import dense_masked_attention
 
 __all__ = [
@@ -131,15 +133,19 @@ def sparse_attention(
     key = None
     rows = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() else 0  # (a bad q: the checks reject it)
     if algorithm is not None or rows < TILED_MIN_ROWS:  # (the automatic choice reads the selection)
-        key = _MEMO.key((q, sparse_bt, sparse_ctx, out), caches, (scale, return_lse, algorithm))
+        key = _MEMO.key((q, sparse_bt, sparse_ctx, out), caches, (scale, return_lse, algorithm, validation_enabled()))
     entry = _MEMO.get(key)
     if entry is not None:
         if entry.recording is None:  # (seen, not replayable: the normal path)
             key = None
         else:
-            check_sparse_attention_values(k_cache, v_cache, sparse_bt, sparse_ctx, entry.info)
+            block_page_stride, fused = entry.info
+            if fused is None:
+                check_sparse_attention_values(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride)
             out, lse, inputs = _outputs(q, k_cache, v_cache, sparse_bt, sparse_ctx, k_scale, v_scale, return_lse, out)
             entry.recording.replay(inputs, q.device, key[0])
+            if fused is not None:
+                _read_fused(fused, q.device, k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride)
             return (out, lse) if return_lse else out
     block_page_stride, scale = check_sparse_attention(
         q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, k_scale, v_scale
@@ -150,15 +156,47 @@ def sparse_attention(
         return _attend_checked(
             q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse, out, algorithm, k_scale, v_scale
         )
+    # Where the replays' value checks can run inside the attention launch: validation on, the
+    # per-row kernel, and a new output (a call that raises has then written nothing of the caller's).
+    fused = None
+    if validation_enabled() and out is None and rows and algorithm != "tiled":
+        fused = _valcheck.fused_flags(q.device)
+    check = None if fused is None else (fused, *_page_rule(block_page_stride))
     out, lse, inputs = _outputs(q, k_cache, v_cache, sparse_bt, sparse_ctx, k_scale, v_scale, return_lse, out)
     returned, recording = _replay.record_call(
         lambda: _attend_checked(
-            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse, out, algorithm, k_scale, v_scale, lse=lse
+            q,
+            k_cache,
+            v_cache,
+            sparse_bt,
+            sparse_ctx,
+            scale,
+            return_lse,
+            out,
+            algorithm,
+            k_scale,
+            v_scale,
+            lse=lse,
+            check=check,
         ),
         inputs,
     )
-    _MEMO.put(key, recording, block_page_stride)
+    # (this call's values passed the checks above: its launch left the flags clear, and unread)
+    _MEMO.put(key, recording, (block_page_stride, fused if recording is not None else None))
     return returned  # (the kernels wrote out and lse; a PyTorch path returns its own, and is not replayed)
+
+
+def _page_rule(block_page_stride: int) -> tuple[int, int]:
+    """``(page_mod, page_mod_limit)``: a used page id ``p`` needs ``p mod page_mod < page_mod_limit``
+    (packed layout: a K page, ``block * 16 + j`` with ``j < 8``; dense: any)."""
+    return (PACKED_STRIDE, PAGES_PER_SPARSE_BLOCK) if block_page_stride == PACKED_STRIDE else (1, 1)
+
+
+def _read_fused(flags, device, k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride) -> None:
+    """The flags of a launch that ran the value checks itself: a flagged call raises the checks' message."""
+    if any(_valcheck.read_fused(flags, device)):
+        _detail(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride)
+        raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
 
 
 def _outputs(q, k_cache, v_cache, sparse_bt, sparse_ctx, k_scale, v_scale, return_lse, out):
@@ -178,11 +216,25 @@ explicit ``algorithm``): checked once, launches replayed on a GPU (:class:`mm3la
 
 
 def _attend_checked(
-    q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse, out, algorithm, k_scale, v_scale, *, lse=None
+    q,
+    k_cache,
+    v_cache,
+    sparse_bt,
+    sparse_ctx,
+    scale,
+    return_lse,
+    out,
+    algorithm,
+    k_scale,
+    v_scale,
+    *,
+    lse=None,
+    check=None,
 ):
     """:func:`sparse_attention` after its checks, for a caller that made them (the MSA layer, whose
     page lists the sparse block table built); ``scale=None`` is ``D ** -0.5``; ``lse``: the buffer
-    for it where ``return_lse`` (else one is allocated)."""
+    for it where ``return_lse`` (else one is allocated); ``check``: the per-row kernel's own value
+    checks (``sparse_attention_kernel``'s argument; only where that kernel runs)."""
     scale = check_scale(scale, q.shape[-1])
     fallback = backend.bf16_interpreted(q.dtype)
     if not backend.use_kernel(q, k_cache, sparse_bt, entry_point="sparse_attention", fallback=fallback):
@@ -216,5 +268,7 @@ def _attend_checked(
     if n and not fp8 and choose_algorithm(n, algorithm, share) == "tiled":
         tiled.tiled_attention_kernel(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, lse)
     elif n:
-        sparse_attention_kernel(q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, lse, k_scale, v_scale)
+        sparse_attention_kernel(
+            q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, lse, k_scale, v_scale, check=check
+        )
     return (out, lse) if return_lse else out

@@ -169,6 +169,52 @@ def _attend_row(
 
 
 @triton.jit
+def _check_row(
+    flags_ptr,  # [2] int32: set to 1 where a ctx (flag 0) or a used page id (flag 1) is bad
+    raw_ctx,  # the row's sparse_ctx as stored
+    first_split,  # this program checks the ctx (one program per row does)
+    bt_row,  # (this row's page ids, their stride)
+    tok_lo,
+    tok_hi,  # the tokens this program attends: pages tok_lo // PAGE .. ceil(tok_hi / PAGE) - 1
+    width,
+    num_pages,
+    page_mod,
+    page_mod_limit,  # a used page id p needs 0 <= p < num_pages and p mod page_mod < page_mod_limit
+    PAGE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """The value checks of ``sparse_attention`` (SPEC 7) on the entries this program reads, folded into
+    the attention launch: over all programs, every ctx and every used page id (the pages
+    ``0 .. ceil(ctx / 16) - 1`` of the row, ctx clamped as the attention clamps it) is checked."""
+    raw = raw_ctx.to(tl.int64)
+    bad_ctx = (raw < 0) | (raw > width * PAGE)
+    tl.store(flags_ptr, 1, mask=bad_ctx & first_split)
+    bt_ptr, stride_bw = bt_row
+    page_lo = tok_lo // PAGE
+    page_hi = (tok_hi + PAGE - 1) // PAGE
+    offs = tl.arange(0, 64)
+    nbad = tl.zeros([64], dtype=tl.int32)
+    p0 = page_lo
+    # (a while loop in the interpreter, which cannot run range() with runtime bounds)
+    if INTERPRETED:
+        while p0 < page_hi:
+            nbad += _bad_pages(bt_ptr, stride_bw, p0 + offs, page_hi, num_pages, page_mod, page_mod_limit)
+            p0 += 64
+    else:
+        for p0 in range(page_lo, page_hi, 64):
+            nbad += _bad_pages(bt_ptr, stride_bw, p0 + offs, page_hi, num_pages, page_mod, page_mod_limit)
+    tl.store(flags_ptr + 1, 1, mask=tl.sum(nbad, axis=0) > 0)
+
+
+@triton.jit
+def _bad_pages(bt_ptr, stride_bw, pages, page_hi, num_pages, page_mod, page_mod_limit):
+    used = pages < page_hi
+    ids = tl.load(bt_ptr + pages * stride_bw, mask=used, other=0).to(tl.int64)
+    outside = (ids < 0) | (ids >= num_pages) | ((ids % page_mod + page_mod) % page_mod >= page_mod_limit)
+    return (used & outside).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["page_mod", "page_mod_limit"])
 def _sparse_attention_fwd(
     q_ptr,  # [N, Hq, D] queries
     k_ptr,  # [pages_k, 16, Hkv, D] page-16 K view
@@ -209,6 +255,9 @@ def _sparse_attention_fwd(
     stride_vsp,
     stride_vsr,
     stride_vsh,
+    flags_ptr,  # CHECK: [2] int32 value-check flags (see _check_row)
+    page_mod,
+    page_mod_limit,
     GROUP_PAD: tl.constexpr,  # >= 16 and a power of two (tl.dot's M)
     D: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -219,12 +268,14 @@ def _sparse_attention_fwd(
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
     FP8: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
 
-    ctx = _clamp_ctx(tl.load(ctx_ptr + h * stride_ch + n * stride_cn), width, PAGE)
+    raw_ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn)
+    ctx = _clamp_ctx(raw_ctx, width, PAGE)
     tok_lo = s * pages_per_split * PAGE
     tok_hi = tl.minimum(tok_lo + pages_per_split * PAGE, ctx)
 
@@ -240,6 +291,21 @@ def _sparse_attention_fwd(
     )
 
     bt_row = (bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn, stride_bw)
+    if CHECK:
+        _check_row(
+            flags_ptr,
+            raw_ctx,
+            s == 0,
+            bt_row,
+            tok_lo,
+            tok_hi,
+            width,
+            num_pages,
+            page_mod,
+            page_mod_limit,
+            PAGE,
+            INTERPRETED,
+        )
     k_head = k_ptr + h.to(tl.int64) * stride_kh
     v_head = v_ptr + h.to(tl.int64) * stride_vh
     cache = (k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr)
@@ -369,6 +435,7 @@ def sparse_attention_kernel(
     num_splits: int | None = None,
     block_n: int | None = None,
     workspace=None,
+    check=None,
 ) -> None:
     """Launch the attention (and, with several splits, the merge). Arguments are already validated.
 
@@ -379,6 +446,10 @@ def sparse_attention_kernel(
         num_splits, block_n: override the heuristic of :func:`launch_config` (tests use this).
         workspace: optional ``(part_o [N, Hq, S, D] float32, part_lse [N, Hq, S] float32)`` for the
             split partials (``S`` = :func:`num_splits`), so that a plan's call allocates nothing.
+        check: ``None``, or ``(flags, page_mod, page_mod_limit)``: the attention launch also runs the
+            call's value checks (:func:`_check_row`), setting ``flags[0]`` (a ctx outside
+            ``[0, W * 16]``) and ``flags[1]`` (a used page id outside the cache, or with
+            ``id mod page_mod >= page_mod_limit``) of the int32 ``flags`` to 1; nothing else changes.
     """
     n_rows, hq, d = q.shape
     hkv, _, width = sparse_bt.shape
@@ -403,6 +474,9 @@ def sparse_attention_kernel(
         num_warps=4,
     )
     ks, vs = (k_scale, v_scale) if k_scale is not None else (sparse_bt, sparse_bt)  # never read without FP8
+    flags, page_mod, page_mod_limit = check if check is not None else (sparse_bt, 1, 1)  # never read without
+    common.update(CHECK=check is not None)
+    checks = (flags, page_mod, page_mod_limit)
     args = (
         readable_pages(k_cache, v_cache),
         width,
@@ -436,6 +510,7 @@ def sparse_attention_kernel(
             vs,
             *ks.stride(),
             *vs.stride(),
+            *checks,
             ONE_SPLIT=True,
             WRITE_LSE=lse is not None,
             **common,
@@ -465,6 +540,7 @@ def sparse_attention_kernel(
         vs,
         *ks.stride(),
         *vs.stride(),
+        *checks,
         ONE_SPLIT=False,
         WRITE_LSE=True,
         **common,

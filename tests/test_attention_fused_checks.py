@@ -1,0 +1,195 @@
+"""The value checks that the per-row attention kernel runs itself (``sparse_attention_kernel(check=...)``).
+
+A repeated eager ``sparse_attention`` call (``mm3lab._replay.Memo``) with validation on and a new
+output checks its values inside the attention launch: every program flags the ctx and the used page
+ids it reads, and the call reads the flags once after the launch. These tests hold the flags to the
+separate value checks (``_detail``, which raises exactly where a check fails) on random tables with
+random bad entries, across splits and both layouts (CPU interpreter and GPU), check that the flags
+never change the output, and, on the GPU, that a replayed call raises the checks' message with no
+check launch of its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mm3lab
+from mm3lab import _valcheck
+from mm3lab.attention import _MEMO, _page_rule
+from mm3lab.attention import kernel as attn_kernel
+from mm3lab.attention.checks import _detail
+from mm3lab.constants import PAGE_SIZE, PAGES_PER_SPARSE_BLOCK
+
+HKV, G, D = 2, 2, 32
+
+
+def _table(layout, n, topk, g, device):
+    """A good table over a 4-block cache: each row's pages are its blocks' pages, ctx anywhere in the row."""
+    cache = mm3lab.allocate_kv_cache(4, HKV, D, layout, device=device)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g).to(device))
+    stride = cache.block_page_stride
+    blocks = torch.randint(0, 4, (HKV, n, topk), generator=g)
+    pages = blocks[..., None] * stride + torch.arange(PAGES_PER_SPARSE_BLOCK)
+    bt = pages.reshape(HKV, n, topk * PAGES_PER_SPARSE_BLOCK).to(torch.int32)
+    ctx = torch.randint(0, topk * 128 + 1, (HKV, n), generator=g).to(torch.int32)
+    q = torch.randn(n, HKV * G, D, generator=g)
+    return cache, q.to(device), bt.to(device), ctx.to(device)
+
+
+def _flags(cache, q, bt, ctx, splits):
+    """``(flags, out)`` of one launch with the checks on."""
+    flags = torch.zeros(2, dtype=torch.int32, device=q.device)
+    out = torch.zeros_like(q)
+    check = (flags, *_page_rule(cache.block_page_stride))
+    attn_kernel.sparse_attention_kernel(
+        q, cache.k_cache, cache.v_cache, bt, ctx, D**-0.5, out, None, num_splits=splits, block_n=32, check=check
+    )
+    return flags.tolist(), out
+
+
+def _detail_raises(cache, bt, ctx) -> bool:
+    try:
+        _detail(cache.k_cache, cache.v_cache, bt, ctx, cache.block_page_stride)
+    except ValueError:
+        return True
+    return False
+
+
+def _spoil(bt, ctx, cache, spoils, g):
+    """Bad entries: ``("ctx", h, n, value)`` or ``("page", h, n, column, kind)``, kind 0 past the cache,
+    1 negative, 2 a V page id in the packed layout (``block * 16 + 8..15``)."""
+    bt, ctx = bt.clone(), ctx.clone()
+    width = bt.shape[2]
+    for spoil in spoils:
+        if spoil[0] == "ctx":
+            _, h, n, value = spoil
+            ctx[h % HKV, n % ctx.shape[1]] = value
+        else:
+            _, h, n, col, kind = spoil
+            page = [cache.k_cache.shape[0] + col, -1 - col, 16 * (col % 3) + 8 + col % 8][kind]
+            bt[h % HKV, n % bt.shape[1], col % width] = page
+            if col % 2:  # the row reads the spoiled page (else where its ctx says)
+                ctx[h % HKV, n % bt.shape[1]] = width * PAGE_SIZE
+    return bt, ctx
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layout=st.sampled_from(["dense", "packed"]),
+    n=st.integers(1, 3),
+    topk=st.integers(1, 3),
+    splits=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 2**16),
+    spoils=st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("ctx"), st.integers(0, 1), st.integers(0, 2), st.sampled_from([-1, -(2**31), 385, 10**6])
+            ),
+            st.tuples(st.just("page"), st.integers(0, 1), st.integers(0, 2), st.integers(0, 23), st.integers(0, 2)),
+        ),
+        max_size=3,
+    ),
+)
+def test_the_kernel_flags_exactly_what_the_value_checks_reject_cpu(layout, n, topk, splits, seed, spoils):
+    _flags_match_the_checks("cpu", layout, n, topk, splits, seed, spoils)
+
+
+SINGLE_SPOILS = [
+    ("ctx", 0, 0, -1),
+    ("ctx", 1, 2, 385),
+    ("ctx", 1, 1, -(2**31)),
+    ("page", 0, 1, 1, 0),  # past the cache, read
+    ("page", 1, 2, 3, 1),  # negative, read
+    ("page", 0, 0, 5, 2),  # a V page id (packed: bad; dense: a K page, good)
+    ("page", 1, 0, 4, 0),  # past the cache where the row's ctx decides whether it is read
+]
+
+
+@pytest.mark.parametrize("spoil", SINGLE_SPOILS)
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_each_kind_of_bad_entry_is_flagged_where_it_is_read(device, layout, splits, spoil):
+    _flags_match_the_checks(device, layout, 3, 3, splits, 11, [spoil])
+
+
+def _flags_match_the_checks(device, layout, n, topk, splits, seed, spoils):
+    g = torch.Generator().manual_seed(seed)
+    cache, q, bt, ctx = _table(layout, n, topk, g, device)
+    bad_bt, bad_ctx = _spoil(bt, ctx, cache, spoils, g)
+    flags, out = _flags(cache, q, bad_bt, bad_ctx, splits)
+    assert bool(any(flags)) == _detail_raises(cache, bad_bt, bad_ctx), (flags, spoils)
+    width = bt.shape[2] * PAGE_SIZE
+    assert flags[0] == int(bool(((bad_ctx < 0) | (bad_ctx > width)).any()))
+    with mm3lab.validation(False):  # the same launch without the checks: the same output
+        want = torch.zeros_like(q)
+        attn_kernel.sparse_attention_kernel(
+            q, cache.k_cache, cache.v_cache, bad_bt, bad_ctx, D**-0.5, want, None, num_splits=splits, block_n=32
+        )
+    assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_kernel_flags_exactly_what_the_value_checks_reject_cuda():
+    rng = torch.Generator().manual_seed(7)
+    for case in range(60):
+        spoils = []
+        for _ in range(int(torch.randint(0, 4, (1,), generator=rng))):
+            r = torch.randint(0, 2**20, (5,), generator=rng).tolist()
+            if r[0] % 2:
+                spoils.append(("ctx", r[1], r[2], [-1, -(2**31), 385, 10**6][r[3] % 4]))
+            else:
+                spoils.append(("page", r[1], r[2], r[3] % 24, r[4] % 3))
+        layout = ["dense", "packed"][case % 2]
+        _flags_match_the_checks("cuda", layout, 1 + case % 3, 1 + case % 3, [1, 2, 3][case % 3], case, spoils)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+def test_a_replayed_checked_call_checks_inside_its_launch(layout):
+    _MEMO.clear()
+    g = torch.Generator().manual_seed(1)
+    cache, q, bt, ctx = _table(layout, 3, 4, g, "cuda")
+    args = (q, cache.k_cache, cache.v_cache)
+    first = mm3lab.sparse_attention(*args, bt, ctx)
+    _valcheck.reset_stats()
+    again = mm3lab.sparse_attention(*args, bt, ctx)
+    assert torch.equal(first, again)
+    assert _valcheck.stats() == {"launches": 0, "host_reads": 1}  # checked in the attention launch
+    (entry,) = _MEMO._entries().values()
+    assert entry.recording.replays == 1 and entry.info[1] is not None
+    spoiled = [
+        (("page", 1, 2, 0, 0), r"sparse_bt: \(head 1, row 2\) entry 0"),
+        (("page", 0, 1, 5, 1), r"sparse_bt: \(head 0, row 1\) entry 5"),
+        (("ctx", 0, 1, 10**6), r"sparse_ctx: \(head 0, row 1\)"),
+        (("ctx", 1, 0, -3), r"sparse_ctx: \(head 1, row 0\)"),
+    ]
+    if layout == "packed":
+        spoiled.append((("page", 1, 0, 2, 2), r"not a K page"))
+    for spoil, match in spoiled:
+        bad_bt, bad_ctx = _spoil(bt, ctx, cache, [spoil], g)
+        if spoil[0] == "page":  # the spoiled page is read
+            bad_ctx[spoil[1], spoil[2]] = bt.shape[2] * PAGE_SIZE
+        with pytest.raises(ValueError, match=match):
+            mm3lab.sparse_attention(*args, bad_bt, bad_ctx)
+        assert torch.equal(mm3lab.sparse_attention(*args, bt, ctx), first)  # the flags were cleared
+    assert entry.recording.replays == 1 + 2 * len(spoiled)
+    out = torch.empty_like(q)  # a caller's buffer: checked before the launch (it must stay untouched)
+    _valcheck.reset_stats()
+    mm3lab.sparse_attention(*args, bt, ctx, out=out)
+    mm3lab.sparse_attention(*args, bt, ctx, out=out)
+    assert _valcheck.stats() == {"launches": 2, "host_reads": 2}
+    poisoned = torch.full_like(q, float("nan"))
+    bad_bt, _ = _spoil(bt, ctx, cache, [("page", 0, 0, 0, 0)], g)
+    with pytest.raises(ValueError, match="sparse_bt"):
+        mm3lab.sparse_attention(*args, bad_bt, ctx.clamp(min=1), out=poisoned)
+    assert poisoned.isnan().all()
+    with mm3lab.validation(False):
+        _valcheck.reset_stats()
+        assert torch.equal(mm3lab.sparse_attention(*args, bt, ctx), first)
+        assert torch.equal(mm3lab.sparse_attention(*args, bt, ctx), first)
+        assert _valcheck.stats() == {"launches": 0, "host_reads": 0}
