@@ -16,8 +16,9 @@ a setting that beats the default.
 for sm_90 with 4 warps, the prefill tile of 64 query vectors takes all 255 registers a thread
 may have and spills (904 B of stack for bf16 keys, 640 B for FP8); with 8 warps it spills
 24 B and none (``tests/gpu_compile.py --verbose``). The first run of this suite (4 warps then the
-default) made 8 warps the default: 1.46x faster with bf16 keys, 1.22x with FP8 keys. Records ``indexer_prefill_config`` with
-``shape.num_warps`` and ``shape.default``, against the default measured in the same run.
+default) made 8 warps the default: 1.46x faster with bf16 keys, 1.22x with FP8 keys. Records
+``indexer_prefill_config`` with ``shape.num_warps`` and ``shape.default``, against the default
+measured in the same run.
 """
 
 from __future__ import annotations
