@@ -193,3 +193,112 @@ def test_a_replayed_checked_call_checks_inside_its_launch(layout):
         assert torch.equal(mm3lab.sparse_attention(*args, bt, ctx), first)
         assert torch.equal(mm3lab.sparse_attention(*args, bt, ctx), first)
         assert _valcheck.stats() == {"launches": 0, "host_reads": 0}
+
+
+# ----------------------------------------------------------------------------
+# the decode block table's launch (build_sparse_block_table_decode)
+# ----------------------------------------------------------------------------
+
+
+def _decode_table_case(g, dql, device, b=2, m=5, k=4):
+    topk = torch.randint(-1, m, (HKV, b * dql, k), generator=g).to(torch.int32)
+    block_table = torch.randint(0, 50, (b, m), generator=g).to(torch.int32)
+    seq_lens = torch.randint(dql, m * 128 + 1, (b,), generator=g).to(torch.int32)
+    return topk.to(device), block_table.to(device), seq_lens.to(device)
+
+
+def _table_flags(topk, block_table, seq_lens, dql, stride):
+    from mm3lab.block_table import kernel as table_kernel
+    from mm3lab.block_table.checks import _physical_id_range
+
+    h, n, k = topk.shape
+    flags = torch.zeros(3, dtype=torch.int32, device=topk.device)
+    out = (
+        torch.empty(h, n, k * 8, dtype=torch.int32, device=topk.device),
+        torch.empty(h, n, dtype=torch.int32, device=topk.device),
+    )
+    plain = (torch.empty_like(out[0]), torch.empty_like(out[1]))
+    table_kernel.build_sparse_block_table_decode_kernel(topk, block_table, seq_lens, dql, stride, *plain)
+    check = (flags, *_physical_id_range(stride))
+    table_kernel.build_sparse_block_table_decode_kernel(topk, block_table, seq_lens, dql, stride, *out, check=check)
+    assert torch.equal(out[0], plain[0]) and torch.equal(out[1], plain[1])  # the checks change nothing built
+    return flags.tolist()
+
+
+def _table_checks_raise(topk, block_table, seq_lens, stride) -> bool:
+    from mm3lab.block_table.checks import check_decode_values
+
+    try:
+        check_decode_values(topk, block_table, seq_lens, stride)
+    except ValueError:
+        return True
+    return False
+
+
+TABLE_SPOILS = [
+    None,
+    ("seq_len", 1, 5 * 128 + 1),
+    ("seq_len", 0, 10**9),
+    ("seq_len", 0, -5),  # a negative seq_len reads nothing: not a value error here
+    ("topk", 1, 0, 2, 5),  # an id == M
+    ("topk", 0, 1, 0, 10**6),
+    ("entry", 0, 0, 2**28),  # page ids past int32 (x 8 or x 16), used when seq_len reaches block 0
+    ("entry", 1, 4, -(2**29)),  # the last entry: used only where seq_len reaches it
+]
+
+
+@pytest.mark.parametrize("spoil", TABLE_SPOILS)
+@pytest.mark.parametrize("dql", [1, 3])
+@pytest.mark.parametrize("stride", [8, 16])
+def test_the_table_launch_flags_exactly_what_the_value_checks_reject(device, spoil, dql, stride):
+    g = torch.Generator().manual_seed(3)
+    topk, block_table, seq_lens = _decode_table_case(g, dql, device)
+    if spoil is not None:
+        if spoil[0] == "seq_len":
+            seq_lens[spoil[1]] = spoil[2]
+        elif spoil[0] == "topk":
+            topk[spoil[1], spoil[2], spoil[3]] = spoil[4]
+        else:
+            block_table[spoil[1], spoil[2]] = spoil[3]
+    flags = _table_flags(topk, block_table, seq_lens, dql, stride)
+    assert bool(any(flags)) == _table_checks_raise(topk, block_table, seq_lens, stride), (flags, spoil)
+    if spoil is not None and spoil[0] == "entry" and spoil[2] == 4:  # now make sure it is read
+        seq_lens[spoil[1]] = 5 * 128
+        flags = _table_flags(topk, block_table, seq_lens, dql, stride)
+        assert flags == [0, 0, 1] and _table_checks_raise(topk, block_table, seq_lens, stride)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_replayed_checked_table_call_checks_inside_its_launch():
+    from mm3lab.block_table import _MEMO as TABLE_MEMO
+
+    TABLE_MEMO.clear()
+    g = torch.Generator().manual_seed(5)
+    topk, block_table, seq_lens = _decode_table_case(g, 2, "cuda")
+    seq_lens.fill_(5 * 128)
+    first = mm3lab.build_sparse_block_table_decode(topk, block_table, seq_lens, 2)
+    _valcheck.reset_stats()
+    again = mm3lab.build_sparse_block_table_decode(topk, block_table, seq_lens, 2)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert _valcheck.stats() == {"launches": 0, "host_reads": 1}
+    (entry,) = TABLE_MEMO._entries().values()
+    assert entry.recording.replays == 1 and entry.info is not None
+    cases = [
+        ("seq_len", r"seq_lens: request 1 has seq_len 641"),
+        ("topk", r"topk_idx: head 1, row 3 selects block 5"),
+        ("entry", r"block_table"),
+    ]
+    for what, match in cases:
+        t, bt, sl = topk.clone(), block_table.clone(), seq_lens.clone()
+        if what == "seq_len":
+            sl[1] = 641
+        elif what == "topk":
+            t[1, 3, 0] = 5
+        else:
+            bt[0, 4] = 2**29
+        with pytest.raises(ValueError, match=match):
+            mm3lab.build_sparse_block_table_decode(t, bt, sl, 2)
+        again = mm3lab.build_sparse_block_table_decode(topk, block_table, seq_lens, 2)  # the flags were cleared
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert entry.recording.replays == 1 + 2 * len(cases)

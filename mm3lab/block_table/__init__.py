@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import _replay, backend
+from .. import _replay, _valcheck, backend
+from .._checks import validation_enabled
 from ..constants import PAGES_PER_SPARSE_BLOCK
 from . import reference
-from .checks import BLOCK_PAGE_STRIDES, check_decode, check_decode_values, check_prefill
+from .checks import BLOCK_PAGE_STRIDES, _physical_id_range, check_decode, check_decode_values, check_prefill
 from .reference import (
     SparseRow,
     attended_ranges,
@@ -65,8 +66,9 @@ the PyTorch path; the model's top-k is 16.
 """
 
 
-def _build(entry: str, topk_idx, block_table, rows: tuple, block_page_stride: int, out):
-    """After the checks: ``entry``'s kernel (``<entry>_kernel``), or its reference where SPEC 7 says so."""
+def _build(entry: str, topk_idx, block_table, rows: tuple, block_page_stride: int, out, check=None):
+    """After the checks: ``entry``'s kernel (``<entry>_kernel``), or its reference where SPEC 7 says so;
+    ``check``: the decode kernel's own value checks (its argument; ignored by the reference)."""
     fallback = None if topk_idx.shape[-1] <= MAX_KERNEL_TOPK else "topk-over-512"
     tensors = [t for t in rows if isinstance(t, torch.Tensor)]
     if not backend.use_kernel(topk_idx, block_table, *tensors, entry_point=entry, fallback=fallback):
@@ -74,7 +76,9 @@ def _build(entry: str, topk_idx, block_table, rows: tuple, block_page_stride: in
     from . import kernel
 
     sparse_bt, sparse_ctx = _outputs(topk_idx, out)
-    getattr(kernel, entry + "_kernel")(topk_idx, block_table, *rows, block_page_stride, sparse_bt, sparse_ctx)
+    launch = getattr(kernel, entry + "_kernel")
+    checks = {} if check is None else {"check": check}
+    launch(topk_idx, block_table, *rows, block_page_stride, sparse_bt, sparse_ctx, **checks)
     return sparse_bt, sparse_ctx
 
 
@@ -116,28 +120,42 @@ def build_sparse_block_table_decode(
     outs = (None, None) if out is None else tuple(out) if isinstance(out, (tuple, list)) and len(out) == 2 else None
     key = None
     if outs is not None:
-        key = _MEMO.key((topk_idx, block_table, seq_lens, *outs), (), (decode_query_len, block_page_stride))
+        scalars = (decode_query_len, block_page_stride, validation_enabled())
+        key = _MEMO.key((topk_idx, block_table, seq_lens, *outs), (), scalars)
     entry = _MEMO.get(key)
     if entry is not None:
         if entry.recording is None:  # (seen, not replayable: the normal path)
             key = None
         else:
-            check_decode_values(topk_idx, block_table, seq_lens, block_page_stride)
+            fused = entry.info
+            if fused is None:
+                check_decode_values(topk_idx, block_table, seq_lens, block_page_stride)
             out = _outputs(topk_idx, out)
             inputs = {"topk_idx": topk_idx, "block_table": block_table, "seq_lens": seq_lens}
             entry.recording.replay({**inputs, "sparse_bt": out[0], "sparse_ctx": out[1]}, topk_idx.device, key[0])
+            if fused is not None and any(_valcheck.read_fused(fused, topk_idx.device)):
+                # the checks' own message (they find what the launch flagged)
+                check_decode_values(topk_idx, block_table, seq_lens, block_page_stride)
+                raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
             return out
     check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out)
     rows = (seq_lens, decode_query_len)
     if key is None:
         return _build("build_sparse_block_table_decode", topk_idx, block_table, rows, block_page_stride, out)
+    # Where the replays' value checks can run inside the table's launch: validation on and new
+    # outputs (a call that raises has then written nothing of the caller's).
+    fused = None
+    if validation_enabled() and out is None and topk_idx.shape[1]:
+        fused = _valcheck.fused_flags(topk_idx.device)
+    check = None if fused is None else (fused, *_physical_id_range(block_page_stride))
     out = _outputs(topk_idx, out)
     inputs = {"topk_idx": topk_idx, "block_table": block_table, "seq_lens": seq_lens}
     returned, recording = _replay.record_call(
-        lambda: _build("build_sparse_block_table_decode", topk_idx, block_table, rows, block_page_stride, out),
+        lambda: _build("build_sparse_block_table_decode", topk_idx, block_table, rows, block_page_stride, out, check),
         {**inputs, "sparse_bt": out[0], "sparse_ctx": out[1]},
     )
-    _MEMO.put(key, recording)
+    # (this call's values passed the checks above: its launch left the flags clear, and unread)
+    _MEMO.put(key, recording, fused if recording is not None else None)
     return returned
 
 

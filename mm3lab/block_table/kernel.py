@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import backend
 from .._grid import next_power_of_2
 from ..constants import PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
 from ..rows import row_request_position
@@ -93,6 +94,54 @@ def emit_sparse_block_table_row(
 
 
 @triton.jit
+def _check_decode_row(
+    flags_ptr,  # [3] int32: set to 1 where a seq_len (0), a selected id (1) or a used table entry (2) is bad
+    n,
+    h,
+    req,
+    blk,  # [K_BLOCK] the row's selected ids (lanes >= K hold -1)
+    seq_lens_ptr,
+    stride_r,
+    bt_row,  # the request's block-table row
+    stride_bm,
+    M,
+    DQL,
+    id_bottom,
+    id_top,  # a used table entry must lie in [id_bottom, id_top] (its page ids fit int32)
+    SPARSE_BLOCK: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """The value checks of ``build_sparse_block_table_decode`` (SPEC 7), folded into its launch: every
+    program checks its row's selected ids (``< M``) and its request's ``seq_len`` (``<= M * 128``); the
+    request's first row, head 0, checks the ``ceil(seq_len / 128)`` table entries the request uses."""
+    sl = tl.load(seq_lens_ptr + req * stride_r).to(tl.int64)
+    tl.store(flags_ptr, 1, mask=sl > M * SPARSE_BLOCK)
+    nbad_ids = tl.sum((blk.to(tl.int64) > M - 1).to(tl.int32), axis=0)
+    tl.store(flags_ptr + 1, 1, mask=nbad_ids > 0)
+    lens = tl.minimum(tl.maximum(sl, 0), M * SPARSE_BLOCK)
+    used = (lens + SPARSE_BLOCK - 1) // SPARSE_BLOCK
+    used = tl.where((h == 0) & (n % DQL == 0), used, 0)  # one program per request scans its row
+    offs = tl.arange(0, 128)
+    nbad = tl.zeros([128], dtype=tl.int32)
+    c0 = used * 0
+    if INTERPRETED:  # (the interpreter cannot run range() with runtime bounds)
+        while c0 < used:
+            nbad += _bad_entries(bt_row, stride_bm, c0 + offs, used, id_bottom, id_top)
+            c0 += 128
+    else:
+        for c0 in range(0, used, 128):
+            nbad += _bad_entries(bt_row, stride_bm, c0 + offs, used, id_bottom, id_top)
+    tl.store(flags_ptr + 2, 1, mask=tl.sum(nbad, axis=0) > 0)
+
+
+@triton.jit
+def _bad_entries(bt_row, stride_bm, cols, used, id_bottom, id_top):
+    live = cols < used
+    ids = tl.load(bt_row + cols * stride_bm, mask=live, other=0).to(tl.int64)
+    return (live & ((ids < id_bottom) | (ids > id_top))).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["id_bottom", "id_top"])
 def _build_sparse_block_table(
     topk_ptr,  # [H, N, K] int32/int64, any strides
     stride_th,
@@ -112,11 +161,16 @@ def _build_sparse_block_table(
     N,
     K,
     DQL,  # decode_query_len (decode only)
+    flags_ptr,  # CHECK: [3] int32 value-check flags (decode; see _check_decode_row)
+    id_bottom,
+    id_top,
     PREFILL: tl.constexpr,
     K_BLOCK: tl.constexpr,
     BLOCK_PAGE_STRIDE: tl.constexpr,
     SPARSE_BLOCK: tl.constexpr,
     PAGES: tl.constexpr,
+    CHECK: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -126,13 +180,33 @@ def _build_sparse_block_table(
     row = h * N + n
     bt_row = bt_ptr + req * stride_bb
     out_row = out_bt_ptr + row * (K * PAGES)
+    if CHECK:
+        _check_decode_row(
+            flags_ptr,
+            n,
+            h,
+            req,
+            blk,
+            req_ptr,
+            stride_r,
+            bt_row,
+            stride_bm,
+            M,
+            DQL,
+            id_bottom,
+            id_top,
+            SPARSE_BLOCK,
+            INTERPRETED,
+        )
     ctx = emit_sparse_block_table_row(
         blk, p, bt_row, stride_bm, M, out_row, K, K_BLOCK, BLOCK_PAGE_STRIDE, SPARSE_BLOCK, PAGES
     )
     tl.store(out_ctx_ptr + row, ctx)
 
 
-def _launch(topk_idx, block_table, req, pos, dql, prefill, block_page_stride, sparse_bt, sparse_ctx) -> None:
+def _launch(
+    topk_idx, block_table, req, pos, dql, prefill, block_page_stride, sparse_bt, sparse_ctx, check=None
+) -> None:
     h, n, k = topk_idx.shape
     b, m = block_table.shape
     if h == 0 or n == 0:
@@ -156,21 +230,39 @@ def _launch(topk_idx, block_table, req, pos, dql, prefill, block_page_stride, sp
         n,
         k,
         dql,
+        *(check if check is not None else (sparse_ctx, 0, 0)),  # (flags never written without CHECK)
         PREFILL=prefill,
         K_BLOCK=k_block,
         BLOCK_PAGE_STRIDE=block_page_stride,
         SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
         PAGES=PAGES_PER_SPARSE_BLOCK,
+        CHECK=check is not None,
+        INTERPRETED=backend.INTERPRETER,
         num_warps=1 if k_block <= 32 else 4,
     )
 
 
 def build_sparse_block_table_decode_kernel(
-    topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, sparse_bt, sparse_ctx
+    topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, sparse_bt, sparse_ctx, *, check=None
 ) -> None:
-    """Launch the decode table into ``sparse_bt``/``sparse_ctx`` (arguments already validated)."""
+    """Launch the decode table into ``sparse_bt``/``sparse_ctx`` (arguments already validated).
+
+    ``check``: ``None``, or ``(flags, id_bottom, id_top)``: the launch also runs the call's value checks
+    (:func:`_check_decode_row`), setting ``flags[0]`` (a ``seq_len`` past the row), ``flags[1]`` (a
+    selected id ``>= M``) and ``flags[2]`` (a used table entry outside ``[id_bottom, id_top]``) of the
+    int32 ``flags`` to 1; the table it builds is the same.
+    """
     _launch(
-        topk_idx, block_table, seq_lens, seq_lens, decode_query_len, False, block_page_stride, sparse_bt, sparse_ctx
+        topk_idx,
+        block_table,
+        seq_lens,
+        seq_lens,
+        decode_query_len,
+        False,
+        block_page_stride,
+        sparse_bt,
+        sparse_ctx,
+        check,
     )
 
 
