@@ -15,7 +15,11 @@ Two kinds of check exist:
 
 Value checks cost one small launch and one host read per call
 (:mod:`mm3lab._valcheck`): every range check of the call is evaluated together
-into a few flags, and only a flagged call computes its detailed message.
+into a few flags, and only a flagged call computes its detailed message. A
+repeated eager call of ``sparse_attention`` or of the decode block table (a
+remembered call shape, :class:`mm3lab._replay.Memo`) with a new output has its
+kernel run the same checks as it reads the entries, writing the flags into pinned
+host memory: no check launch, and the one host read after the launch.
 
 Errors name the argument (and, for value checks, the row).
 """

@@ -1,7 +1,8 @@
 """Argument checks of ``sparse_attention``, shared by the kernel path and the reference.
 
 Structural checks always run. Value checks (context lengths, page ids) read the
-tables (one small launch and one host read, :mod:`mm3lab._valcheck`) and run while
+tables (one small launch and one host read, :mod:`mm3lab._valcheck`; a replayed call
+with a new output: inside the attention launch, ``kernel._check_row``) and run while
 validation is on; with it off, both paths apply the same
 defined fallback instead (see :func:`readable_pages` and :func:`clamp_ctx`).
 """
