@@ -163,24 +163,8 @@ def sparse_attention(
         fused = _valcheck.fused_flags(q.device)
     check = None if fused is None else (fused, *_page_rule(block_page_stride))
     out, lse, inputs = _outputs(q, k_cache, v_cache, sparse_bt, sparse_ctx, k_scale, v_scale, return_lse, out)
-    returned, recording = _replay.record_call(
-        lambda: _attend_checked(
-            q,
-            k_cache,
-            v_cache,
-            sparse_bt,
-            sparse_ctx,
-            scale,
-            return_lse,
-            out,
-            algorithm,
-            k_scale,
-            v_scale,
-            lse=lse,
-            check=check,
-        ),
-        inputs,
-    )
+    args = (q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse, out, algorithm, k_scale, v_scale)
+    returned, recording = _replay.record_call(lambda: _attend_checked(*args, lse=lse, check=check), inputs)
     # (this call's values passed the checks above: its launch left the flags clear, and unread)
     _MEMO.put(key, recording, (block_page_stride, fused if recording is not None else None))
     return returned  # (the kernels wrote out and lse; a PyTorch path returns its own, and is not replayed)
