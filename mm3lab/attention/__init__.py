@@ -166,7 +166,7 @@ def sparse_attention(
     args = (q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse, out, algorithm, k_scale, v_scale)
     returned, recording = _replay.record_call(lambda: _attend_checked(*args, lse=lse, check=check), inputs)
     # (this call's values passed the checks above: its launch left the flags clear, and unread)
-    _MEMO.put(key, recording, (block_page_stride, fused if recording is not None else None))
+    _MEMO.put(key, recording, (block_page_stride, fused))
     return returned  # (the kernels wrote out and lse; a PyTorch path returns its own, and is not replayed)
 
 

@@ -155,7 +155,7 @@ def build_sparse_block_table_decode(
         {**inputs, "sparse_bt": out[0], "sparse_ctx": out[1]},
     )
     # (this call's values passed the checks above: its launch left the flags clear, and unread)
-    _MEMO.put(key, recording, fused if recording is not None else None)
+    _MEMO.put(key, recording, fused)
     return returned
 
 
