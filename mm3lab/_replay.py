@@ -179,15 +179,11 @@ class Recording:
                     *_NO_HOOKS,
                     *values,
                 )
-                for pos, _ in launch.subs:  # (no stale addresses kept)
-                    values[pos] = None
                 continue
             values = launch.values
             for pos, name in launch.subs:
                 values[pos] = inputs[name]
             launch_compiled(launch.kernel, launch.grid, values, stream)
-            for pos, _ in launch.subs:
-                values[pos] = None
 
 
 def current_stream(device: torch.device):
