@@ -165,20 +165,7 @@ class Recording:
                 values = launch.addresses
                 for pos, name in launch.subs:
                     values[pos] = inputs[name].data_ptr()
-                c_launch, grid, cooperative, pdl = direct
-                kernel = launch.kernel
-                c_launch(
-                    *grid,
-                    stream,
-                    kernel.function,
-                    cooperative,
-                    pdl,
-                    None,
-                    None,
-                    kernel.packed_metadata,
-                    *_NO_HOOKS,
-                    *values,
-                )
+                call_direct(launch.kernel, direct, launch.grid, stream, values)
                 continue
             values = launch.values
             for pos, name in launch.subs:
@@ -209,6 +196,14 @@ def direct_launcher(kernel, grid) -> tuple | None:
     if run.global_scratch_size or run.profile_scratch_size:
         return None
     return c_launch, tuple(grid), run.launch_cooperative_grid, run.launch_pdl
+
+
+def call_direct(kernel, direct: tuple, grid: tuple[int, int, int], stream, values) -> None:
+    """Launch the compiled ``kernel`` on ``grid`` through its launcher's C entry (``direct``: what
+    :func:`direct_launcher` gave for it; its grid is not used), ``values`` its bound arguments with
+    every GPU tensor as its address. The caller knows no launch hook is set (:func:`hooks_idle`)."""
+    c_launch, _, cooperative, pdl = direct
+    c_launch(*grid, stream, kernel.function, cooperative, pdl, None, None, kernel.packed_metadata, *_NO_HOOKS, *values)
 
 
 def launch_compiled(kernel, grid: tuple[int, int, int], values, stream) -> None:
@@ -447,6 +442,7 @@ __all__ = [
     "Memo",
     "clear_memos",
     "Recording",
+    "call_direct",
     "current_stream",
     "hooks_idle",
     "launch_compiled",

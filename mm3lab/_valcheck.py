@@ -38,6 +38,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
+from typing import NamedTuple
 
 import torch
 import triton
@@ -46,7 +48,19 @@ import triton.language as tl
 from . import _replay, backend
 from ._grid import cdiv, next_power_of_2
 
-__all__ = ["Segment", "any_bad", "flags", "fused_flags", "kernel_on_cpu", "read_fused", "reset_stats", "stats"]
+__all__ = [
+    "Fused",
+    "Segment",
+    "any_bad",
+    "flags",
+    "fused_flags",
+    "kernel_on_cpu",
+    "read_fused",
+    "reset_stats",
+    "signal_done",
+    "stats",
+    "wait_done",
+]
 
 KINDS = ("all", "len", "live", "gather", "gather_last")
 _MODE = {kind: i + 1 for i, kind in enumerate(KINDS)}
@@ -166,7 +180,7 @@ _SEG_TENSORS = ("t", "aux", "pos")
 _SEG_INTS = ("n1", "s0", "s1", "s2", "R", "C", "a0", "a1", "p0", "unit", "lo", "hi", "mod", "modl", "flag")
 # (flat, not tuples: Triton specializes every int inside a tuple argument, do_not_specialize or not)
 _INT_ARGS = [f"{name}{i}" for i in range(MAX_SEGMENTS) for name in _SEG_INTS]
-_PTR_ARGS = ["flags_ptr"] + [f"{name}{i}" for i in range(MAX_SEGMENTS) for name in _SEG_TENSORS]
+_PTR_ARGS = ["flags_ptr", "count_ptr", "done_ptr"] + [f"{name}{i}" for i in range(MAX_SEGMENTS) for name in _SEG_TENSORS]
 
 
 # The sizes, strides and bounds change from call to call: int64 and never specialized. Nor are the
@@ -247,13 +261,17 @@ def _valcheck_kernel(
     mod3: tl.int64,
     modl3: tl.int64,
     flag3: tl.int64,
+    count_ptr,
+    done_ptr,
     MODES: tl.constexpr,
     HAS_MOD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    SIGNAL: tl.constexpr,
 ):
     """``MAX_SEGMENTS`` slots, each :data:`_SEG_TENSORS` + :data:`_SEG_INTS` (as :func:`_kernel_args` lays them
-    out), its ``MODES`` entry (0: unused) and ``HAS_MOD`` entry; one :func:`_segment` per slot."""
+    out), its ``MODES`` entry (0: unused) and ``HAS_MOD`` entry; one :func:`_segment` per slot.
+    ``SIGNAL``: the last program sets ``done`` once every program's flags are written (:func:`signal_done`)."""
     pid = tl.program_id(0)
     tensors = (
         (t0, aux0, pos0),
@@ -270,6 +288,26 @@ def _valcheck_kernel(
     for i in tl.static_range(len(MODES)):
         if MODES[i] != 0:
             _segment(flags_ptr, pid, tensors[i], ints[i], MODES[i], HAS_MOD[i], BLOCK_R, BLOCK_C)
+    if SIGNAL:
+        signal_done(count_ptr, done_ptr)
+
+
+@triton.jit
+def signal_done(count_ptr, done_ptr):
+    """Tell the host that this launch's value checks are finished: every program calls this once, after
+    writing its flags; the last one to arrive resets the counter ``count_ptr`` (device memory, zero
+    when a launch starts) and sets ``done_ptr`` (host memory) to 1, so the host can read the flags
+    without waiting for the rest of the stream (:func:`wait_done`).
+
+    Ordering: a program's flag stores come before its release of the counter (a barrier first, so
+    every thread's stores count), and the last program acquires the counter before its release
+    store of ``done``; all at system scope, the host being the reader."""
+    tl.debug_barrier()
+    total = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="sys")
+    last = ticket == total - 1
+    tl.atomic_xchg(count_ptr, 0, mask=last, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(done_ptr, 1, mask=last, sem="release", scope="sys")
 
 
 TILE = 1024
@@ -338,46 +376,65 @@ _compiled: dict = {}  # (device index, modes, has_mod, BLOCK_C, dtypes) -> Trito
 _UNUSED_INTS = (1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0)  # an unused slot's ints (as _SEG_INTS)
 
 
-def _run_kernel(segments: list[Segment], flags_buf: torch.Tensor, target: torch.Tensor | None = None) -> None:
-    """One check launch into ``target`` (default ``flags_buf``, which also stands in for unused pointers).
+def _run_kernel(segments: list[Segment], flags_buf: torch.Tensor, target=None, signal=None) -> None:
+    """One check launch into ``target`` (default ``flags_buf``, which also stands in for unused pointers);
+    ``signal``: ``(count, done)`` where the launch tells the host it is finished (:func:`signal_done`).
 
-    Triton's own launch binds all 73 arguments and looks the compiled kernel up by their
+    Triton's own launch binds all 75 arguments and looks the compiled kernel up by their
     specialization, which costs tens of microseconds of host time per call. Here nothing but the
     constexprs and the dtypes decide the compiled kernel (the ints are int64 and unspecialized,
     the pointers unspecialized on alignment), so after Triton's first launch of a combination its
-    compiled kernel is launched directly (:func:`mm3lab._replay.launch_compiled`).
+    compiled kernel is launched directly: through the compiled launcher's C entry with every
+    pointer as an address where it can (:func:`mm3lab._replay.direct_launcher`; the launcher asks
+    the driver about each tensor it is given), else :func:`mm3lab._replay.launch_compiled`.
     """
-    flat, modes, has_mod, dtypes = [], [], [], []
+    flat, addresses, modes, has_mod, dtypes = [], [], [], [], []
     rows, columns = 1, 0
     for i, seg in enumerate(segments):
         tensors, ints, mode, mod = _kernel_args(seg, 2 * i, flags_buf)
         flat += tensors
         flat += ints
+        # (each GPU tensor as its address, for a direct launch; a CPU tensor as it is: the launcher rejects it)
+        addresses += [t.data_ptr() if t.is_cuda else t for t in tensors]
+        addresses += ints
         modes.append(mode)
         has_mod.append(mod)
         dtypes += (tensors[0].dtype, tensors[1].dtype, tensors[2].dtype)
         rows, columns = max(rows, ints[4]), max(columns, ints[5])
-    for _ in range(MAX_SEGMENTS - len(segments)):  # unused slots: the flags buffer and inert ints
-        flat += (flags_buf, flags_buf, flags_buf)
-        flat += _UNUSED_INTS
-        modes.append(0)
-        has_mod.append(False)
+    unused = MAX_SEGMENTS - len(segments)
+    if unused:  # unused slots: the flags buffer and inert ints
+        flat += (flags_buf, flags_buf, flags_buf, *_UNUSED_INTS) * unused
+        ptr = flags_buf.data_ptr() if flags_buf.is_cuda else flags_buf
+        addresses += (ptr, ptr, ptr, *_UNUSED_INTS) * unused
+        modes += [0] * unused
+        has_mod += [False] * unused
     modes, has_mod = tuple(modes), tuple(has_mod)
     block_r, block_c = _tile_shape(columns)
     grid = (cdiv(rows, block_r), 1, 1)
     target = flags_buf if target is None else target
+    count, done = (flags_buf, flags_buf) if signal is None else signal
+    consts = (modes, has_mod, block_r, block_c, signal is not None)
     fast = FAST_LAUNCH and _replay.supported() and _replay.hooks_idle()
     if fast:
         # (unused slots always hold the int32 flags buffer: the used slots' dtypes decide)
-        key = (flags_buf.get_device(), modes, has_mod, block_c, *dtypes)
-        kernel = _compiled.get(key)
-        if kernel is not None:
-            values = (target, *flat, modes, has_mod, block_r, block_c)
-            _replay.launch_compiled(kernel, grid, values, _replay.current_stream(flags_buf.device))
+        key = (flags_buf.get_device(), *consts[:-2], *dtypes, consts[-1])
+        compiled = _compiled.get(key)
+        if compiled is not None:
+            kernel, direct = compiled
+            stream = _replay.current_stream(flags_buf.device)
+            if direct is not None and _replay.DIRECT:
+                # (target, count and done: this module's buffers, on the GPU or pinned, whose address is the GPU's)
+                values = (target.data_ptr(), *addresses, count.data_ptr(), done.data_ptr(), *consts)
+                _replay.call_direct(kernel, direct, grid, stream, values)
+            else:
+                _replay.launch_compiled(kernel, grid, (target, *flat, count, done, *consts), stream)
             return
-    kernel = _valcheck_kernel[grid](target, *flat, modes, has_mod, BLOCK_R=block_r, BLOCK_C=block_c)
-    if fast:
-        _compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
+    kernel = _valcheck_kernel[grid](
+        target, *flat, count, done, modes, has_mod, BLOCK_R=block_r, BLOCK_C=block_c, SIGNAL=signal is not None
+    )
+    if fast and kernel is not None:
+        kernel = kernel.result() if hasattr(kernel, "result") else kernel
+        _compiled[key] = (kernel, _replay.direct_launcher(kernel, grid))
 
 
 # ----------------------------------------------------------------------------
@@ -457,58 +514,99 @@ def _empty(seg: Segment) -> bool:
 
 _buffers = threading.local()
 
+DONE = 2 * MAX_SEGMENTS
+"""Index of the ``done`` word in the host flags buffer, and of the launch counter in the device one
+(:func:`signal_done`); the flags come before it."""
 
-def _flags_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+
+class Buffers(NamedTuple):
+    """One thread's flags buffers on one device, kept from call to call (see :func:`_flags_buffers`)."""
+
+    device: torch.Tensor
+    """int32 ``[DONE + 1]`` on the device: flags (where not zero-copy), then the launch counter (zero)."""
+    host: torch.Tensor | None
+    """int32 ``[DONE + 1]`` pinned host memory (a GPU only): flags, then ``done``."""
+    view: object
+    """``host`` as a NumPy array (the same memory): what the host reads while it waits."""
+    signal: tuple | None
+    """``(counter, done)`` one-element views: the pointers :func:`signal_done` takes."""
+
+
+def _flags_buffers(device: torch.device) -> Buffers:
     """This thread's zeroed flags buffer on ``device`` and, on a GPU, a pinned host buffer to read it
-    into, both kept from call to call: every read syncs and a flagged read zeroes the flags again,
-    so they are all zeros whenever a call starts (a capture gets new ones)."""
+    into, both kept from call to call: every read waits for the flags, and a flagged read zeroes
+    them again, so they are all zeros whenever a call starts (a capture gets new ones)."""
     cuda = device.type == "cuda"
     if cuda and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(2 * MAX_SEGMENTS, dtype=torch.int32, device=device), None
+        return Buffers(torch.zeros(DONE + 1, dtype=torch.int32, device=device), None, None, None)
     per_device = getattr(_buffers, "per_device", None)
     if per_device is None:
         per_device = _buffers.per_device = {}
     bufs = per_device.get(device)
     if bufs is None:
-        flags_buf = torch.zeros(2 * MAX_SEGMENTS, dtype=torch.int32, device=device)
-        host = torch.zeros(2 * MAX_SEGMENTS, dtype=torch.int32, pin_memory=True) if cuda else None
-        bufs = per_device[device] = (flags_buf, host)
+        flags_buf = torch.zeros(DONE + 1, dtype=torch.int32, device=device)
+        host = view = signal = None
+        if cuda:
+            host = torch.zeros(DONE + 1, dtype=torch.int32, pin_memory=True)
+            view = host.numpy()
+            signal = (flags_buf[DONE:], host[DONE:])
+        bufs = per_device[device] = Buffers(flags_buf, host, view, signal)
     return bufs
 
 
 ZERO_COPY = True
 """On a GPU, the check kernel writes its flags straight into pinned host memory (mapped into the
-GPU's address space), so a call waits for its stream and reads them: no copy launch. ``False``
-(or a platform where the first such launch fails, which turns it off): flags in device memory,
-copied to the pinned buffer."""
+GPU's address space), and its last program sets a ``done`` word there (:func:`signal_done`), so a
+call waits for that word and reads the flags: no copy launch, no stream sync. ``False`` (or a
+platform where the first such launch fails, which turns it off): flags in device memory, copied to
+the pinned buffer after a stream sync."""
+
+SPIN_SECONDS = 0.002
+"""How long :func:`wait_done` watches for a launch's ``done`` word before it syncs the stream instead
+(a launch queued behind long work, a launch that never ran): a sync gives the same flags, later."""
 
 
-def _launch_and_read(segments: list[Segment], flags_buf: torch.Tensor, host: torch.Tensor | None) -> list[int]:
-    """One check launch and the flags on the host (a GPU waits for its stream: no allocation, no
-    pageable staging copy; the CPU reads them as they are). A flagged read zeroes them again."""
+def wait_done(bufs: Buffers, device: torch.device) -> list[int]:
+    """The flags of the launch that ran last into ``bufs`` (zero-copy, with :func:`signal_done`): wait
+    for its ``done`` word (no stream sync; past :data:`SPIN_SECONDS`, a sync), read the flags, and
+    zero them (where one is set) and ``done`` for the next launch."""
+    view = bufs.view
+    if not view[DONE]:
+        t_end = time.perf_counter() + SPIN_SECONDS
+        while not view[DONE]:
+            if time.perf_counter() > t_end:
+                torch.cuda.current_stream(device).synchronize()  # (then every flag is written)
+                break
+    values = view[:DONE].tolist()
+    if any(values):
+        view[:DONE] = 0
+    view[DONE] = 0
+    return values
+
+
+def _launch_and_read(segments: list[Segment], bufs: Buffers) -> list[int]:
+    """One check launch and the flags on the host (a GPU: the launch's ``done`` word or a stream sync;
+    no allocation, no pageable staging copy; the CPU reads them as they are). A flagged read zeroes them."""
     global ZERO_COPY
+    flags_buf, host = bufs.device, bufs.host
     if host is None:
         _run_kernel(segments, flags_buf)
         values = flags_buf.tolist()
         if any(values):
             flags_buf.zero_()
         return values
-    stream = torch.cuda.current_stream(flags_buf.device)
     if ZERO_COPY:
         try:
-            _run_kernel(segments, flags_buf, host)
+            _run_kernel(segments, flags_buf, host, bufs.signal)
         except (ValueError, RuntimeError):  # (a platform whose GPU cannot take a host pointer)
             ZERO_COPY = False
     if ZERO_COPY:
-        stream.synchronize()
-        values = host.tolist()
-        if any(values):
-            host.zero_()
-        return values
+        return wait_done(bufs, flags_buf.device)
+    stream = torch.cuda.current_stream(flags_buf.device)
     _run_kernel(segments, flags_buf)
     host.copy_(flags_buf, non_blocking=True)
     stream.synchronize()
-    values = host.tolist()
+    values = host[:DONE].tolist()
     if any(values):
         flags_buf.zero_()
         host.zero_()
@@ -516,24 +614,51 @@ def _launch_and_read(segments: list[Segment], flags_buf: torch.Tensor, host: tor
     return values
 
 
-def fused_flags(device: torch.device) -> torch.Tensor | None:
-    """This thread's zeroed flags buffer in pinned host memory, for a kernel that runs a call's value
-    checks itself and writes its flags there as it runs (zero-copy, :data:`ZERO_COPY`); ``None``
-    where there is none (a CPU device, zero-copy off, graph capture): such a call runs :func:`flags`."""
+class Fused(NamedTuple):
+    """Where a kernel that runs a call's value checks itself writes its flags and says it is done."""
+
+    flags: torch.Tensor
+    """int32 pinned host memory: the kernel sets its flags (indices ``0 ..``) to 1."""
+    count: torch.Tensor
+    """The launch counter (device, zero when a launch starts; :func:`signal_done`)."""
+    done: torch.Tensor
+    """The ``done`` word (host)."""
+
+
+def fused_flags(device: torch.device) -> Fused | None:
+    """This thread's zeroed flags buffer in pinned host memory and its launch counter and ``done`` word,
+    for a kernel that runs a call's value checks itself, writes its flags there as it runs, and
+    signals when they are all written (zero-copy, :data:`ZERO_COPY`); ``None`` where there is none
+    (a CPU device, zero-copy off, graph capture): such a call runs :func:`flags`."""
     if device.type != "cuda" or not ZERO_COPY or torch.cuda.is_current_stream_capturing():
         return None
-    return _flags_buffers(device)[1]
+    bufs = _flags_buffers(device)
+    return Fused(bufs.host, *bufs.signal)
 
 
-def read_fused(host: torch.Tensor, device: torch.device) -> list[int]:
-    """The flags a launch wrote into :func:`fused_flags`' buffer: wait for the stream, read them
-    (one host read), and zero them again where one is set."""
+def read_fused(fused: Fused, device: torch.device) -> list[int]:
+    """The flags a launch wrote into :func:`fused_flags`' buffers, once it has said they are all written
+    (:func:`wait_done`: one host read, no stream sync), zeroed again where one is set.
+
+    Every launch given :func:`fused_flags` must be followed by this (or :func:`settle`) before the
+    next such launch: ``done`` is zero when a launch starts only because its reader zeroes it."""
     _stats["host_reads"] += 1
-    torch.cuda.current_stream(device).synchronize()
-    values = host.tolist()
-    if any(values):
-        host.zero_()
-    return values
+    return wait_done(_flags_buffers(device), device)
+
+
+def settle(device: torch.device, *, sync: bool = False) -> None:
+    """Forget the flags of the last launch given :func:`fused_flags` (a first call, whose values were
+    checked before it ran; or a call interrupted between its launch and its read): wait for its
+    ``done`` word (``sync``: a stream sync, for a launch that may not have run), zero everything."""
+    bufs = _flags_buffers(device)
+    if bufs.view is None:
+        return
+    if sync:
+        with contextlib.suppress(RuntimeError):  # (the error that interrupted the call is the one to see)
+            torch.cuda.current_stream(device).synchronize()
+    else:
+        wait_done(bufs, device)
+    bufs.view[:] = 0
 
 
 def flags(*segments: Segment) -> list[int]:
@@ -550,8 +675,7 @@ def flags(*segments: Segment) -> list[int]:
     _stats["launches"] += 1
     _stats["host_reads"] += 1
     if _use_kernel(segments[0].t):
-        buf, host = _flags_buffers(device)
-        return _launch_and_read(segments, buf, host)[: 2 * len(segments)]
+        return _launch_and_read(segments, _flags_buffers(device))[: 2 * len(segments)]
     parts = [f for seg in segments for f in _torch_flags(seg)]
     tensors = [f for f in parts if isinstance(f, torch.Tensor)]
     values = iter(torch.stack(tensors).tolist() if tensors else [])

@@ -323,20 +323,15 @@ class _MSAPlan:
         return inputs["seq_lens"], inputs["seq_lens"], self.decode_query_len
 
     def _value_checks(self, inputs: dict) -> None:
-        from .indexer.checks import check_decode, check_prefill
+        """The run's value checks (its shapes are the plan's: :meth:`_check_inputs`)."""
+        from .indexer.checks import check_decode_values, check_table_entries
 
-        check, extra = (check_prefill, ()) if self._prefill else (check_decode, (self.decode_query_len,))
-        check(
-            inputs["index_q"],
-            self._caches[2],
-            inputs["block_table"],
-            *(inputs[name] for name in self._ROW_INPUTS),
-            self.topk,
-            *extra,
-            self.init_blocks,
-            self.local_blocks,
-            self._caches[3],
-        )
+        index_cache, block_table = self._caches[2], inputs["block_table"]
+        if self._prefill:
+            req, pos = inputs["query_req_id"], inputs["query_abs_pos"]
+            check_table_entries(block_table, req, pos, index_cache.shape[0], "the index cache")
+        elif self.rows:
+            check_decode_values(index_cache, block_table, inputs["seq_lens"])
 
     def _one_shot(self, inputs: dict, caches):
         """The one-shot function on the run's arguments (every input and cache by its name there)."""

@@ -203,10 +203,41 @@ def run_value_checks() -> int:
             ),
         ],
     ]
-    flags = ids(2 * _valcheck.MAX_SEGMENTS)
+    flags = ids(2 * _valcheck.MAX_SEGMENTS + 1)
+    signal = (flags[-1:], flags[-1:])
     for segments in sets:
         _valcheck._run_kernel(segments, flags)
-    return len(sets)
+        _valcheck._run_kernel(segments, flags, flags, signal)  # (checks that tell the host they are done)
+    return 2 * len(sets) + run_fused_checks(flags, signal)
+
+
+def run_fused_checks(flags, signal) -> int:
+    """The attention and decode-table launches that run a call's value checks themselves (a replayed
+    checked call), the table's also keeping what it overwrites (a caller's ``out=``)."""
+    from mm3lab.attention.kernel import sparse_attention_kernel
+    from mm3lab.block_table.kernel import build_sparse_block_table_decode_kernel
+
+    calls = 0
+    fused = (flags, *signal)
+    for b in (1, 64):
+        for layout in ("dense", "packed"):
+            cache = mm3lab.allocate_kv_cache(b * 8, HKV, D, layout, dtype=torch.bfloat16)
+            q = torch.zeros(b, HQ, D, dtype=torch.bfloat16)
+            sparse_bt = torch.zeros(HKV, b, TOPK * 8, dtype=torch.int32)
+            sparse_ctx = torch.zeros(HKV, b, dtype=torch.int32)
+            out = torch.empty_like(q)
+            for lse in (None, torch.empty(b, HQ)):
+                sparse_attention_kernel(
+                    q, cache.k_cache, cache.v_cache, sparse_bt, sparse_ctx, D**-0.5, out, lse, check=(fused, 16, 8)
+                )
+                calls += 1
+        topk = torch.zeros(HKV, b, TOPK, dtype=torch.int32)
+        table = (torch.zeros(b, 4, dtype=torch.int32), torch.zeros(b, dtype=torch.int32))
+        outs = (torch.empty(HKV, b, TOPK * 8, dtype=torch.int32), torch.empty(HKV, b, dtype=torch.int32))
+        for backup in ([], [outs]):
+            build_sparse_block_table_decode_kernel(topk, *table, 1, 8, *outs, check=(fused, 0, 2**27, *backup))
+            calls += 1
+    return calls
 
 
 @triton.jit

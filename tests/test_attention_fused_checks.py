@@ -39,15 +39,29 @@ def _table(layout, n, topk, g, device):
     return cache, q.to(device), bt.to(device), ctx.to(device)
 
 
+def _signal(device):
+    """``(flags, count, done)`` as a launch with checks takes them (zeros; the counter starts at zero)."""
+    return tuple(torch.zeros(n, dtype=torch.int32, device=device) for n in (3, 1, 1))
+
+
+def _signalled(signal) -> list:
+    """The flags of a launch with checks, after checking that it said so once and left its counter at zero."""
+    flags, count, done = signal
+    assert done.tolist() == [1] and count.tolist() == [0], "the launch's last program signals and resets"
+    return flags.tolist()
+
+
 def _flags(cache, q, bt, ctx, splits):
     """``(flags, out)`` of one launch with the checks on."""
-    flags = torch.zeros(2, dtype=torch.int32, device=q.device)
+    signal = _signal(q.device)
     out = torch.zeros_like(q)
-    check = (flags, *_page_rule(cache.block_page_stride))
+    check = (signal, *_page_rule(cache.block_page_stride))
     attn_kernel.sparse_attention_kernel(
         q, cache.k_cache, cache.v_cache, bt, ctx, D**-0.5, out, None, num_splits=splits, block_n=32, check=check
     )
-    return flags.tolist(), out
+    flags = _signalled(signal)
+    assert flags[2] == 0
+    return flags[:2], out
 
 
 def _detail_raises(cache, bt, ctx) -> bool:
@@ -212,17 +226,25 @@ def _table_flags(topk, block_table, seq_lens, dql, stride):
     from mm3lab.block_table.checks import _physical_id_range
 
     h, n, k = topk.shape
-    flags = torch.zeros(3, dtype=torch.int32, device=topk.device)
-    out = (
-        torch.empty(h, n, k * 8, dtype=torch.int32, device=topk.device),
-        torch.empty(h, n, dtype=torch.int32, device=topk.device),
+    signal = _signal(topk.device)
+    g = torch.Generator().manual_seed(h * 100 + n)
+    old = (
+        torch.randint(-9, 9, (h, n, k * 8), generator=g, dtype=torch.int32).to(topk.device),
+        torch.randint(-9, 9, (h, n), generator=g, dtype=torch.int32).to(topk.device),
     )
+    out = (old[0].clone(), old[1].clone())
+    backup = (torch.zeros_like(out[0]), torch.zeros_like(out[1]))
     plain = (torch.empty_like(out[0]), torch.empty_like(out[1]))
     table_kernel.build_sparse_block_table_decode_kernel(topk, block_table, seq_lens, dql, stride, *plain)
-    check = (flags, *_physical_id_range(stride))
+    keep = stride == 16  # (with and without keeping what the launch overwrites)
+    check = (signal, *_physical_id_range(stride), *([backup] if keep else []))
     table_kernel.build_sparse_block_table_decode_kernel(topk, block_table, seq_lens, dql, stride, *out, check=check)
     assert torch.equal(out[0], plain[0]) and torch.equal(out[1], plain[1])  # the checks change nothing built
-    return flags.tolist()
+    if keep:
+        assert torch.equal(backup[0], old[0]) and torch.equal(backup[1], old[1])  # what it overwrote, kept
+    else:
+        assert not backup[0].any() and not backup[1].any()
+    return _signalled(signal)
 
 
 def _table_checks_raise(topk, block_table, seq_lens, stride) -> bool:
@@ -283,7 +305,7 @@ def test_a_replayed_checked_table_call_checks_inside_its_launch():
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     assert _valcheck.stats() == {"launches": 0, "host_reads": 1}
     (entry,) = TABLE_MEMO._entries().values()
-    assert entry.recording.replays == 1 and entry.info is not None
+    assert entry.recording.replays == 1 and entry.info[0] is not None and entry.info[1] is None
     cases = [
         ("seq_len", r"seq_lens: request 1 has seq_len 641"),
         ("topk", r"topk_idx: head 1, row 3 selects block 5"),
@@ -302,3 +324,50 @@ def test_a_replayed_checked_table_call_checks_inside_its_launch():
         again = mm3lab.build_sparse_block_table_decode(topk, block_table, seq_lens, 2)  # the flags were cleared
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     assert entry.recording.replays == 1 + 2 * len(cases)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_replayed_checked_table_call_into_a_callers_buffers_restores_them_when_rejected():
+    from mm3lab.block_table import _MEMO as TABLE_MEMO
+
+    TABLE_MEMO.clear()
+    g = torch.Generator().manual_seed(6)
+    topk, block_table, seq_lens = _decode_table_case(g, 1, "cuda")
+    seq_lens.fill_(5 * 128)
+    want = mm3lab.build_sparse_block_table_decode(topk, block_table, seq_lens)
+    out = (torch.empty_like(want[0]), torch.empty_like(want[1]))
+    mm3lab.build_sparse_block_table_decode(topk, block_table, seq_lens, out=out)  # recorded
+    (entry,) = [e for e in TABLE_MEMO._entries().values() if e.info[1] is not None]
+    for what in ("seq_len", "topk", "entry", None):
+        t, bt, sl = topk.clone(), block_table.clone(), seq_lens.clone()
+        if what == "seq_len":
+            sl[0] = 10**6
+        elif what == "topk":
+            t[0, 1, 0] = 5
+        elif what == "entry":
+            bt[1, 4] = 2**29
+        poisoned = (torch.full_like(want[0], -7), torch.full_like(want[1], 3))
+        for i in range(2):
+            out[i].copy_(poisoned[i])
+        _valcheck.reset_stats()
+        if what is None:
+            got = mm3lab.build_sparse_block_table_decode(t, bt, sl, out=out)
+            assert got[0] is out[0] and torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+            assert _valcheck.stats() == {"launches": 0, "host_reads": 1}  # checked inside the table's launch
+        else:
+            with pytest.raises(ValueError):
+                mm3lab.build_sparse_block_table_decode(t, bt, sl, out=out)
+            # the launch wrote the table, then the call put the caller's buffers back before raising
+            assert torch.equal(out[0], poisoned[0]) and torch.equal(out[1], poisoned[1]), what
+    assert entry.recording.replays == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_waiting_for_a_done_word_that_never_comes_falls_back_to_a_sync():
+    device = torch.device("cuda")
+    bufs = _valcheck._flags_buffers(device)
+    torch.cuda._sleep(10**6)  # (queued work: the fallback waits for it)
+    assert _valcheck.wait_done(bufs, device) == [0] * _valcheck.DONE
+    assert bufs.view.tolist() == [0] * (_valcheck.DONE + 1)

@@ -35,6 +35,7 @@ import triton.language as tl
 from .. import backend
 from .._fit import fitting
 from .._grid import next_power_of_2
+from .._valcheck import signal_done
 from ..constants import PAGE_SIZE
 from .checks import readable_pages
 
@@ -256,6 +257,8 @@ def _sparse_attention_fwd(
     stride_vsr,
     stride_vsh,
     flags_ptr,  # CHECK: [2] int32 value-check flags (see _check_row)
+    count_ptr,
+    done_ptr,  # CHECK: the launch counter and the done word (see mm3lab._valcheck.signal_done)
     page_mod,
     page_mod_limit,
     GROUP_PAD: tl.constexpr,  # >= 16 and a power of two (tl.dot's M)
@@ -306,6 +309,8 @@ def _sparse_attention_fwd(
             PAGE,
             INTERPRETED,
         )
+        # (the flags are final once every program is past here: the host need not wait for the attention)
+        signal_done(count_ptr, done_ptr)
     k_head = k_ptr + h.to(tl.int64) * stride_kh
     v_head = v_ptr + h.to(tl.int64) * stride_vh
     cache = (k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr)
@@ -446,10 +451,12 @@ def sparse_attention_kernel(
         num_splits, block_n: override the heuristic of :func:`launch_config` (tests use this).
         workspace: optional ``(part_o [N, Hq, S, D] float32, part_lse [N, Hq, S] float32)`` for the
             split partials (``S`` = :func:`num_splits`), so that a plan's call allocates nothing.
-        check: ``None``, or ``(flags, page_mod, page_mod_limit)``: the attention launch also runs the
-            call's value checks (:func:`_check_row`), setting ``flags[0]`` (a ctx outside
+        check: ``None``, or ``(fused, page_mod, page_mod_limit)`` with ``fused`` a
+            :class:`mm3lab._valcheck.Fused` (or any ``(flags, count, done)``): the attention launch also
+            runs the call's value checks (:func:`_check_row`), setting ``flags[0]`` (a ctx outside
             ``[0, W * 16]``) and ``flags[1]`` (a used page id outside the cache, or with
-            ``id mod page_mod >= page_mod_limit``) of the int32 ``flags`` to 1; nothing else changes.
+            ``id mod page_mod >= page_mod_limit``) of the int32 ``flags`` to 1, and sets ``done[0]`` to
+            1 once every program has checked (``count[0]``: zero before, zero after); nothing else changes.
     """
     n_rows, hq, d = q.shape
     hkv, _, width = sparse_bt.shape
@@ -474,9 +481,13 @@ def sparse_attention_kernel(
         num_warps=4,
     )
     ks, vs = (k_scale, v_scale) if k_scale is not None else (sparse_bt, sparse_bt)  # never read without FP8
-    flags, page_mod, page_mod_limit = check if check is not None else (sparse_bt, 1, 1)  # never read without
+    if check is not None:
+        (flags, count, done), page_mod, page_mod_limit = check
+    else:  # (never read without CHECK)
+        flags = count = done = sparse_bt
+        page_mod = page_mod_limit = 1
     common.update(CHECK=check is not None)
-    checks = (flags, page_mod, page_mod_limit)
+    checks = (flags, count, done, page_mod, page_mod_limit)
     args = (
         readable_pages(k_cache, v_cache),
         width,

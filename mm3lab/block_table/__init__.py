@@ -127,13 +127,22 @@ def build_sparse_block_table_decode(
         if entry.recording is None:  # (seen, not replayable: the normal path)
             key = None
         else:
-            fused = entry.info
+            fused, backup = entry.info
             if fused is None:
                 check_decode_values(topk_idx, block_table, seq_lens, block_page_stride)
             out = _outputs(topk_idx, out)
             inputs = {"topk_idx": topk_idx, "block_table": block_table, "seq_lens": seq_lens}
-            entry.recording.replay({**inputs, "sparse_bt": out[0], "sparse_ctx": out[1]}, topk_idx.device, key[0])
-            if fused is not None and any(_valcheck.read_fused(fused, topk_idx.device)):
+            device = topk_idx.device
+            try:
+                entry.recording.replay({**inputs, "sparse_bt": out[0], "sparse_ctx": out[1]}, device, key[0])
+            except BaseException:
+                if fused is not None:
+                    _valcheck.settle(device, sync=True)
+                raise
+            if fused is not None and any(_valcheck.read_fused(fused, device)):
+                if backup is not None:  # the caller's buffers as they were (SPEC 7), in stream order
+                    out[0].copy_(backup[0])
+                    out[1].copy_(backup[1])
                 # the checks' own message (they find what the launch flagged)
                 check_decode_values(topk_idx, block_table, seq_lens, block_page_stride)
                 raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
@@ -142,20 +151,30 @@ def build_sparse_block_table_decode(
     rows = (seq_lens, decode_query_len)
     if key is None:
         return _build("build_sparse_block_table_decode", topk_idx, block_table, rows, block_page_stride, out)
-    # Where the replays' value checks can run inside the table's launch: validation on and new
-    # outputs (a call that raises has then written nothing of the caller's).
-    fused = None
-    if validation_enabled() and out is None and topk_idx.shape[1]:
+    # The replays' value checks run inside the table's launch where validation is on. Into the
+    # caller's ``out``, the launch first copies what each row overwrites into buffers of the memo's,
+    # from which a call whose checks fail restores them before it raises (SPEC 7).
+    fused = backup = None
+    if validation_enabled() and topk_idx.shape[1]:
         fused = _valcheck.fused_flags(topk_idx.device)
-    check = None if fused is None else (fused, *_physical_id_range(block_page_stride))
+    if fused is not None and out is not None:
+        backup = (torch.empty_like(out[0]), torch.empty_like(out[1]))
+    check = None if fused is None else (fused, *_physical_id_range(block_page_stride), backup)
     out = _outputs(topk_idx, out)
     inputs = {"topk_idx": topk_idx, "block_table": block_table, "seq_lens": seq_lens}
-    returned, recording = _replay.record_call(
-        lambda: _build("build_sparse_block_table_decode", topk_idx, block_table, rows, block_page_stride, out, check),
-        {**inputs, "sparse_bt": out[0], "sparse_ctx": out[1]},
-    )
-    # (this call's values passed the checks above: its launch left the flags clear, and unread)
-    _MEMO.put(key, recording, fused)
+    device = topk_idx.device
+    try:
+        returned, recording = _replay.record_call(
+            lambda: _build("build_sparse_block_table_decode", topk_idx, block_table, rows, block_page_stride, out, check),
+            {**inputs, "sparse_bt": out[0], "sparse_ctx": out[1]},
+        )
+    except BaseException:
+        if fused is not None:
+            _valcheck.settle(device, sync=True)
+        raise
+    if fused is not None:  # (this call's values passed the checks above: its launch's flags are clear)
+        _valcheck.settle(device, sync=recording is None)  # (no recording: maybe no launch)
+    _MEMO.put(key, recording, (fused, backup))
     return returned
 
 

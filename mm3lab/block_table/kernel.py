@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .. import backend
 from .._grid import next_power_of_2
+from .._valcheck import signal_done
 from ..constants import PAGES_PER_SPARSE_BLOCK, SPARSE_BLOCK_SIZE
 from ..rows import row_request_position
 
@@ -162,14 +163,19 @@ def _build_sparse_block_table(
     K,
     DQL,  # decode_query_len (decode only)
     flags_ptr,  # CHECK: [3] int32 value-check flags (decode; see _check_decode_row)
+    count_ptr,
+    done_ptr,  # CHECK: the launch counter and the done word (see mm3lab._valcheck.signal_done)
     id_bottom,
     id_top,
+    backup_bt_ptr,
+    backup_ctx_ptr,  # BACKUP: where each row's old sparse_bt / sparse_ctx entries are copied before it is written
     PREFILL: tl.constexpr,
     K_BLOCK: tl.constexpr,
     BLOCK_PAGE_STRIDE: tl.constexpr,
     SPARSE_BLOCK: tl.constexpr,
     PAGES: tl.constexpr,
     CHECK: tl.constexpr,
+    BACKUP: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
@@ -198,6 +204,12 @@ def _build_sparse_block_table(
             SPARSE_BLOCK,
             INTERPRETED,
         )
+        signal_done(count_ptr, done_ptr)  # (the flags are final: the host need not wait for the table)
+    if BACKUP:  # the caller's buffers: keep what this row overwrites, for a call its checks reject
+        cols = tl.arange(0, K_BLOCK * PAGES)
+        keep = cols < K * PAGES
+        tl.store(backup_bt_ptr + row * (K * PAGES) + cols, tl.load(out_row + cols, mask=keep), mask=keep)
+        tl.store(backup_ctx_ptr + row, tl.load(out_ctx_ptr + row))
     ctx = emit_sparse_block_table_row(
         blk, p, bt_row, stride_bm, M, out_row, K, K_BLOCK, BLOCK_PAGE_STRIDE, SPARSE_BLOCK, PAGES
     )
@@ -214,6 +226,13 @@ def _launch(
     if block_table.numel() == 0:  # never read (every row is padded or has nothing valid); give it memory anyway
         block_table = torch.zeros(1, 1, dtype=block_table.dtype, device=block_table.device)
     k_block = max(1, next_power_of_2(k))
+    backup = None
+    if check is None:  # (the flags, counter, done word and backups are never touched without CHECK / BACKUP)
+        checks = (sparse_ctx, sparse_ctx, sparse_ctx, 0, 0, sparse_ctx, sparse_ctx)
+    else:
+        (flags, count, done), id_bottom, id_top, *rest = check
+        backup = rest[0] if rest else None
+        checks = (flags, count, done, id_bottom, id_top, *(backup if backup is not None else (sparse_ctx, sparse_ctx)))
     _build_sparse_block_table[(n, h)](
         topk_idx,
         *topk_idx.stride(),
@@ -230,13 +249,14 @@ def _launch(
         n,
         k,
         dql,
-        *(check if check is not None else (sparse_ctx, 0, 0)),  # (flags never written without CHECK)
+        *checks,
         PREFILL=prefill,
         K_BLOCK=k_block,
         BLOCK_PAGE_STRIDE=block_page_stride,
         SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
         PAGES=PAGES_PER_SPARSE_BLOCK,
         CHECK=check is not None,
+        BACKUP=backup is not None,
         INTERPRETED=backend.INTERPRETER,
         num_warps=1 if k_block <= 32 else 4,
     )
@@ -247,10 +267,14 @@ def build_sparse_block_table_decode_kernel(
 ) -> None:
     """Launch the decode table into ``sparse_bt``/``sparse_ctx`` (arguments already validated).
 
-    ``check``: ``None``, or ``(flags, id_bottom, id_top)``: the launch also runs the call's value checks
-    (:func:`_check_decode_row`), setting ``flags[0]`` (a ``seq_len`` past the row), ``flags[1]`` (a
-    selected id ``>= M``) and ``flags[2]`` (a used table entry outside ``[id_bottom, id_top]``) of the
-    int32 ``flags`` to 1; the table it builds is the same.
+    ``check``: ``None``, or ``(fused, id_bottom, id_top[, backup])`` with ``fused`` a
+    :class:`mm3lab._valcheck.Fused` (or any ``(flags, count, done)``): the launch also runs the call's
+    value checks (:func:`_check_decode_row`), setting ``flags[0]`` (a ``seq_len`` past the row),
+    ``flags[1]`` (a selected id ``>= M``) and ``flags[2]`` (a used table entry outside
+    ``[id_bottom, id_top]``) of the int32 ``flags`` to 1, and ``done[0]`` to 1 once every program has
+    checked (``count[0]``: zero before, zero after); the table it builds is the same. ``backup``:
+    ``None`` or ``(bt, ctx)`` buffers of the outputs' shapes, into which every row's old output
+    entries are copied before they are written (a caller's ``out=``, restored if the flags are set).
     """
     _launch(
         topk_idx,

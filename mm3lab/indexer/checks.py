@@ -131,7 +131,14 @@ def check_decode(
     b, n = _check_common(index_q, index_cache, block_table, topk, init_blocks, local_blocks, index_scale)
     check_decode_rows("index_q", n, seq_lens, decode_query_len, b)
     check_same_device(index_q=index_q, index_cache=index_cache, block_table=block_table, seq_lens=seq_lens)
-    if not validation_enabled() or n == 0:
+    if n:
+        check_decode_values(index_cache, block_table, seq_lens)
+
+
+def check_decode_values(index_cache, block_table, seq_lens) -> None:
+    """The value checks of :func:`check_decode` (while validation is on), for a caller whose structural
+    checks passed (a plan checks its shapes once; its runs check values only)."""
+    if not validation_enabled():
         return
     m = block_table.shape[1]
     num_blocks = index_cache.shape[0]
