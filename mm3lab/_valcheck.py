@@ -180,7 +180,9 @@ _SEG_TENSORS = ("t", "aux", "pos")
 _SEG_INTS = ("n1", "s0", "s1", "s2", "R", "C", "a0", "a1", "p0", "unit", "lo", "hi", "mod", "modl", "flag")
 # (flat, not tuples: Triton specializes every int inside a tuple argument, do_not_specialize or not)
 _INT_ARGS = [f"{name}{i}" for i in range(MAX_SEGMENTS) for name in _SEG_INTS]
-_PTR_ARGS = ["flags_ptr", "count_ptr", "done_ptr"] + [f"{name}{i}" for i in range(MAX_SEGMENTS) for name in _SEG_TENSORS]
+_PTR_ARGS = ["flags_ptr", "count_ptr", "done_ptr"] + [
+    f"{name}{i}" for i in range(MAX_SEGMENTS) for name in _SEG_TENSORS
+]
 
 
 # The sizes, strides and bounds change from call to call: int64 and never specialized. Nor are the

@@ -165,7 +165,9 @@ def build_sparse_block_table_decode(
     device = topk_idx.device
     try:
         returned, recording = _replay.record_call(
-            lambda: _build("build_sparse_block_table_decode", topk_idx, block_table, rows, block_page_stride, out, check),
+            lambda: _build(
+                "build_sparse_block_table_decode", topk_idx, block_table, rows, block_page_stride, out, check
+            ),
             {**inputs, "sparse_bt": out[0], "sparse_ctx": out[1]},
         )
     except BaseException:
