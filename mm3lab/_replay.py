@@ -174,10 +174,17 @@ class Recording:
 
 
 def current_stream(device: torch.device):
-    """The handle of ``device``'s current stream, as Triton's launcher takes it."""
+    """The handle of ``device``'s current stream, as Triton's launcher takes it (Triton's CUDA driver
+    asks PyTorch the same; on other drivers, Triton's own answer)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _raw_stream is not None:
+        return _raw_stream(index)
     from triton.runtime.driver import driver
 
-    return driver.active.get_current_stream(device.index if device.index is not None else torch.cuda.current_device())
+    return driver.active.get_current_stream(index)
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) if torch.version.cuda else None
 
 
 _NO_HOOKS = (None, None, None)  # launch metadata, enter hook, exit hook
@@ -221,7 +228,8 @@ def hooks_idle() -> bool:
     """No Triton launch hook is set (a profiler's hooks want Triton's own launch path)."""
     from triton import knobs
 
-    return _idle(knobs.runtime.launch_enter_hook) and _idle(knobs.runtime.launch_exit_hook)
+    runtime = knobs.runtime
+    return _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)
 
 
 def record(launch, inputs: dict, caches) -> Recording | None:

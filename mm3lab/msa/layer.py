@@ -46,8 +46,9 @@ from ..fp8 import FP8_DTYPE
 from ..index_cache import _insert_checked
 from ..index_cache.checks import check_index_cache, check_insert_index_cache
 from ..indexer import _checked_entry, index_scores_decode, index_scores_prefill
-from ..indexer.checks import MAX_TOPK
+from ..indexer.checks import MAX_TOPK, check_table_entries
 from ..indexer.checks import check_decode as check_indexer_decode
+from ..indexer.checks import check_decode_values as check_indexer_decode_values
 from ..indexer.checks import check_prefill as check_indexer_prefill
 from ..layout import _write_checked, check_kv_views
 from ..layout.checks import check_write_kv
@@ -235,18 +236,26 @@ def run_layer(steps, arguments: dict):
     # the indexer's rows, top-k and init / local blocks, in the order every indexer entry point takes them
     selection = (*row_args, args.topk, *extra, args.init_blocks, args.local_blocks)
 
-    # A call shape whose structural checks passed skips them (_PASSED); the indexer's checks, which
-    # hold the value checks, run on every call.
+    # A call shape whose structural checks passed skips them (_PASSED); the value checks (the
+    # indexer's: one launch, one host read) run on every call.
     inputs = (q, args.key, args.value, args.index_q, args.index_k, *row_args, block_table)
     caches = (k_cache, v_cache, index_cache, index_scale, *kv_scales.values())
-    passed = _PASSED.key((*inputs, *caches), (decode, args.topk, args.scale, *extra))
+    passed = _PASSED.key(
+        (*inputs, *caches), (decode, args.topk, args.scale, args.init_blocks, args.local_blocks, *extra)
+    )
     block_page_stride = _PASSED.get(passed)
     checked = block_page_stride is not None
     if not checked:
         block_page_stride = _check_query(q, k_cache, v_cache, args.index_q, **kv_scales)
         _check_index_step(args.index_k, index_cache, k_cache, args.topk, block_page_stride)
-    check = check_indexer_decode if decode else check_indexer_prefill
-    check(args.index_q, index_cache, block_table, *selection, index_scale)
+    if not checked:
+        check = check_indexer_decode if decode else check_indexer_prefill
+        check(args.index_q, index_cache, block_table, *selection, index_scale)
+    elif decode:  # (its structural checks passed with the rest: the values only)
+        if q.shape[0]:
+            check_indexer_decode_values(index_cache, block_table, args.seq_lens)
+    else:
+        check_table_entries(block_table, args.query_req_id, args.query_abs_pos, index_cache.shape[0], "the index cache")
     # a repeated one-shot decode step replays its launches through an internal plan (mm3lab.msa.recorded)
     recorded_step = None
     if decode and steps is KERNEL_STEPS and recorded.applies(args):
