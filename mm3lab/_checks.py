@@ -6,7 +6,7 @@ Two kinds of check exist:
   metadata and always run (the MSA layer skips a repeat of a call shape that
   passed them: :class:`PassedChecks`);
 * value checks (a block id past the block table, a seq_len the table cannot
-  hold) read tensor contents, which on a GPU means a device-to-host sync. They
+  hold) read tensor contents, which on a GPU means waiting for the device. They
   run while validation is enabled (the default). Turn them off for CUDA-graph
   capture with ``mm3lab.validation(False)`` (a context manager) or the
   environment variable ``MM3LAB_VALIDATE=0``. The kernels mask every index they
@@ -15,11 +15,15 @@ Two kinds of check exist:
 
 Value checks cost one small launch and one host read per call
 (:mod:`mm3lab._valcheck`): every range check of the call is evaluated together
-into a few flags, and only a flagged call computes its detailed message. A
-repeated eager call of ``sparse_attention`` or of the decode block table (a
-remembered call shape, :class:`mm3lab._replay.Memo`) with a new output has its
-kernel run the same checks as it reads the entries, writing the flags into pinned
-host memory: no check launch, and the one host read after the launch.
+into a few flags, and only a flagged call computes its detailed message. The
+launch's last program sets a ``done`` word in pinned host memory, which the call
+watches instead of syncing the stream. A repeated eager call of ``sparse_attention``
+(with a new output) or of the decode block table (a remembered call shape,
+:class:`mm3lab._replay.Memo`) has its kernel run the same checks as it reads the
+entries, writing the flags into pinned host memory and saying when they are final:
+no check launch, and one host read that does not wait for the rest of the kernel.
+The block table given ``out=`` keeps what it overwrites, and a rejected call puts
+it back before raising.
 
 Errors name the argument (and, for value checks, the row).
 """
