@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_bad_calls import ENTRY, _layer
@@ -264,3 +265,25 @@ def test_kernel_path_keeps_messages():
         seq_lens = torch.tensor([200, 385], dtype=torch.int32)
         with pytest.raises(ValueError, match="seq_lens: request 1 has seq_len 385"):
             mm3lab.index_topk_decode(a["index_q"], a["index_cache"], a["block_table"], seq_lens, 2)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_signalling_check_launch_says_done_once_every_program_has_checked(device, seed):
+    """``_run_kernel(..., signal=(count, done))``: the same flags, ``done`` set to 1 by the last of the
+    launch's programs, and the counter back at zero for the next launch (here 19 programs a launch)."""
+    g = torch.Generator().manual_seed(seed)
+    many_rows = _ints(g, 0, 10 + 3 * seed, 300, 40)  # (a 16 x 64 tile per program: 19 programs)
+    segments = [*_segments(seed, 0.2)[:2], Segment("all", many_rows, lo=0, hi=9)]
+    segments = [s for s in segments if not _valcheck._empty(s)]  # (as flags() drops them)
+    want = _valcheck.flags(*segments)
+    moved = _moved(segments, device)
+    flags_buf = torch.zeros(_valcheck.DONE + 1, dtype=torch.int32, device=device)
+    target = torch.zeros_like(flags_buf)
+    count, done = torch.zeros(1, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
+    assert triton.cdiv(300, _valcheck.TILE // 64) == 19
+    for _ in range(2):
+        _valcheck._run_kernel(moved, flags_buf, target, (count, done))
+        assert target[: 2 * len(segments)].tolist() == want
+        assert done.tolist() == [1] and count.tolist() == [0]
+        target.zero_()
+        done.zero_()
