@@ -56,6 +56,8 @@ __all__ = [
     "fused_flags",
     "kernel_on_cpu",
     "read_fused",
+    "record_checked",
+    "replay_checked",
     "reset_stats",
     "signal_done",
     "stats",
@@ -687,3 +689,31 @@ def flags(*segments: Segment) -> list[int]:
 def any_bad(*segments: Segment) -> bool:
     """Whether any segment holds a bad entry (one launch, one host read); see :func:`flags`."""
     return any(flags(*segments))
+
+
+def replay_checked(recording, inputs: dict, device: torch.device, stream, fused: Fused | None) -> bool:
+    """Replay ``recording`` (:meth:`mm3lab._replay.Recording.replay`) whose launch runs the call's value
+    checks itself where ``fused`` (:func:`fused_flags`): whether that launch flagged a value."""
+    if fused is None:
+        recording.replay(inputs, device, stream)
+        return False
+    try:
+        recording.replay(inputs, device, stream)
+    except BaseException:
+        settle(device, sync=True)
+        raise
+    return any(read_fused(fused, device))
+
+
+def record_checked(launch, inputs: dict, device: torch.device, fused: Fused | None):
+    """:func:`mm3lab._replay.record_call` of a first call whose values were checked before it ran and
+    whose launch (where ``fused``) runs the checks too: its flags are clear, and are forgotten."""
+    try:
+        returned, recording = _replay.record_call(launch, inputs)
+    except BaseException:
+        if fused is not None:
+            settle(device, sync=True)
+        raise
+    if fused is not None:
+        settle(device, sync=recording is None)  # (no recording: maybe no launch)
+    return returned, recording

@@ -143,15 +143,10 @@ def sparse_attention(
             if fused is None:
                 check_sparse_attention_values(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride)
             out, lse, inputs = _outputs(q, k_cache, v_cache, sparse_bt, sparse_ctx, k_scale, v_scale, return_lse, out)
-            if fused is None:
-                entry.recording.replay(inputs, q.device, key[0])
-            else:
-                try:
-                    entry.recording.replay(inputs, q.device, key[0])
-                except BaseException:
-                    _valcheck.settle(q.device, sync=True)
-                    raise
-                _read_fused(fused, q.device, k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride)
+            if _valcheck.replay_checked(entry.recording, inputs, q.device, key[0], fused):
+                # the checks' own message (they find what the launch flagged)
+                _detail(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride)
+                raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
             return (out, lse) if return_lse else out
     block_page_stride, scale = check_sparse_attention(
         q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, k_scale, v_scale
@@ -170,14 +165,8 @@ def sparse_attention(
     check = None if fused is None else (fused, *_page_rule(block_page_stride))
     out, lse, inputs = _outputs(q, k_cache, v_cache, sparse_bt, sparse_ctx, k_scale, v_scale, return_lse, out)
     args = (q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse, out, algorithm, k_scale, v_scale)
-    try:
-        returned, recording = _replay.record_call(lambda: _attend_checked(*args, lse=lse, check=check), inputs)
-    except BaseException:
-        if fused is not None:
-            _valcheck.settle(q.device, sync=True)
-        raise
-    if fused is not None:  # (this call's values passed the checks above: its launch's flags are clear)
-        _valcheck.settle(q.device, sync=recording is None)  # (no recording: maybe no launch)
+    launch = lambda: _attend_checked(*args, lse=lse, check=check)  # noqa: E731
+    returned, recording = _valcheck.record_checked(launch, inputs, q.device, fused)
     _MEMO.put(key, recording, (block_page_stride, fused))
     return returned  # (the kernels wrote out and lse; a PyTorch path returns its own, and is not replayed)
 
@@ -186,13 +175,6 @@ def _page_rule(block_page_stride: int) -> tuple[int, int]:
     """``(page_mod, page_mod_limit)``: a used page id ``p`` needs ``p mod page_mod < page_mod_limit``
     (packed layout: a K page, ``block * 16 + j`` with ``j < 8``; dense: any)."""
     return (PACKED_STRIDE, PAGES_PER_SPARSE_BLOCK) if block_page_stride == PACKED_STRIDE else (1, 1)
-
-
-def _read_fused(fused, device, k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride) -> None:
-    """The flags of a launch that ran the value checks itself: a flagged call raises the checks' message."""
-    if any(_valcheck.read_fused(fused, device)):
-        _detail(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride)
-        raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
 
 
 def _outputs(q, k_cache, v_cache, sparse_bt, sparse_ctx, k_scale, v_scale, return_lse, out):

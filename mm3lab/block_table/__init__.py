@@ -132,14 +132,8 @@ def build_sparse_block_table_decode(
                 check_decode_values(topk_idx, block_table, seq_lens, block_page_stride)
             out = _outputs(topk_idx, out)
             inputs = {"topk_idx": topk_idx, "block_table": block_table, "seq_lens": seq_lens}
-            device = topk_idx.device
-            try:
-                entry.recording.replay({**inputs, "sparse_bt": out[0], "sparse_ctx": out[1]}, device, key[0])
-            except BaseException:
-                if fused is not None:
-                    _valcheck.settle(device, sync=True)
-                raise
-            if fused is not None and any(_valcheck.read_fused(fused, device)):
+            inputs.update(sparse_bt=out[0], sparse_ctx=out[1])
+            if _valcheck.replay_checked(entry.recording, inputs, topk_idx.device, key[0], fused):
                 if backup is not None:  # the caller's buffers as they were (SPEC 7), in stream order
                     out[0].copy_(backup[0])
                     out[1].copy_(backup[1])
@@ -162,20 +156,11 @@ def build_sparse_block_table_decode(
     check = None if fused is None else (fused, *_physical_id_range(block_page_stride), backup)
     out = _outputs(topk_idx, out)
     inputs = {"topk_idx": topk_idx, "block_table": block_table, "seq_lens": seq_lens}
-    device = topk_idx.device
-    try:
-        returned, recording = _replay.record_call(
-            lambda: _build(
-                "build_sparse_block_table_decode", topk_idx, block_table, rows, block_page_stride, out, check
-            ),
-            {**inputs, "sparse_bt": out[0], "sparse_ctx": out[1]},
-        )
-    except BaseException:
-        if fused is not None:
-            _valcheck.settle(device, sync=True)
-        raise
-    if fused is not None:  # (this call's values passed the checks above: its launch's flags are clear)
-        _valcheck.settle(device, sync=recording is None)  # (no recording: maybe no launch)
+    inputs.update(sparse_bt=out[0], sparse_ctx=out[1])
+    launch = lambda: _build(  # noqa: E731
+        "build_sparse_block_table_decode", topk_idx, block_table, rows, block_page_stride, out, check
+    )
+    returned, recording = _valcheck.record_checked(launch, inputs, topk_idx.device, fused)
     _MEMO.put(key, recording, (fused, backup))
     return returned
 
