@@ -640,7 +640,7 @@ def fused_flags(device: torch.device) -> Fused | None:
     return Fused(bufs.host, *bufs.signal)
 
 
-def read_fused(fused: Fused, device: torch.device) -> list[int]:
+def read_fused(device: torch.device) -> list[int]:
     """The flags a launch wrote into :func:`fused_flags`' buffers, once it has said they are all written
     (:func:`wait_done`: one host read, no stream sync), zeroed again where one is set.
 
@@ -702,7 +702,7 @@ def replay_checked(recording, inputs: dict, device: torch.device, stream, fused:
     except BaseException:
         settle(device, sync=True)
         raise
-    return any(read_fused(fused, device))
+    return any(read_fused(device))
 
 
 def record_checked(launch, inputs: dict, device: torch.device, fused: Fused | None):

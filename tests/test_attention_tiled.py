@@ -11,6 +11,7 @@ row-by-row walk forced.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -216,11 +217,27 @@ def test_neighbour_share():
     assert abs(float(tiled.neighbour_share(bt, ctx)) - 3 / 5) < 1e-6
 
 
-@pytest.mark.parametrize("prepass", [tiled.tile_unions, tiled.tile_unions_kernel])
+def _read(tables):
+    """A pre-pass's tables as the tiled kernel reads them: ``whole``, ``live`` and ``plain`` zeroed past each
+    tile's ``count`` (the Triton pre-pass leaves them unspecified there)."""
+    union, count, row_pages, whole, live, plain = tables
+    past = torch.arange(union.shape[-1], device=union.device) >= count.unsqueeze(-1)
+    whole = whole.masked_fill(past.unsqueeze(-1), 0)
+    return union, count, row_pages, whole, live.masked_fill(past, 0), plain.masked_fill(past, 0)
+
+
+PREPASSES = [
+    tiled.tile_unions,
+    tiled.tile_unions_kernel,
+    functools.partial(tiled.tile_unions_kernel, scans=False),
+]
+
+
+@pytest.mark.parametrize("prepass", PREPASSES)
 def test_tile_unions_lists_distinct_used_pages(device, prepass):
     bt = torch.tensor([[[5, 6, 7, 9], [6, 2, 6, 9], [1, 1, 1, 1]]], dtype=torch.int32, device=device)
     ctx = torch.tensor([[40, 64, 0]], dtype=torch.int32, device=device)  # 3 pages (the last 8 tokens), 4, none
-    union, count, row_pages, whole, live, plain = prepass(bt, ctx, num_pages=9, tile_rows=2)  # page 9: outside
+    union, count, row_pages, whole, live, plain = _read(prepass(bt, ctx, num_pages=9, tile_rows=2))  # 9: outside
     assert count.tolist() == [[4, 0]] and row_pages.tolist() == [[6, 0]]
     assert union[0, 0, :4].tolist() == [2, 5, 6, 7] and (union[0, 0, 4:] == -1).all()
     # whole-page uses per (union page, row): page 6 twice in row 1; page 7 is row 0's tail, read in part
@@ -230,7 +247,7 @@ def test_tile_unions_lists_distinct_used_pages(device, prepass):
     assert not plain.any()  # no page is read whole exactly once by both rows
     bt2 = torch.tensor([[[3, 4], [4, 3]]], dtype=torch.int32, device=device)
     ctx2 = torch.tensor([[32, 20]], dtype=torch.int32, device=device)  # row 1 reads 4 tokens of page 3
-    union, count, _, _, live, plain = prepass(bt2, ctx2, num_pages=9, tile_rows=2)
+    union, count, _, _, live, plain = _read(prepass(bt2, ctx2, num_pages=9, tile_rows=2))
     assert union[0, 0, :2].tolist() == [3, 4] and plain[0, 0].tolist() == [0, 1, 0, 0]
     assert live[0, 0, :2].tolist() == [16, 16]
 
@@ -239,7 +256,8 @@ def test_tile_unions_lists_distinct_used_pages(device, prepass):
 @given(data=st.data())
 def test_tile_unions_kernel_matches_torch(device, data):
     """The Triton pre-pass gives the PyTorch pre-pass's tables exactly: random page lists with repeats,
-    pages outside the cache, padded rows, tails mid-page, ``ctx`` 0."""
+    pages outside the cache, padded rows, tails mid-page, ``ctx`` 0; int32 and int64 sort keys, counts by
+    scans and by atomics (compared where the tiled kernel reads them)."""
     hkv = data.draw(st.integers(1, 2))
     n = data.draw(st.integers(1, 12))
     width = data.draw(st.integers(1, 12))
@@ -251,9 +269,12 @@ def test_tile_unions_kernel_matches_torch(device, data):
     ctx = torch.randint(-2, width * 16 + 3, (hkv, n), generator=g, dtype=torch.int32)
     if data.draw(st.booleans()):  # int64 lengths beyond int32 clamp, never wrap
         ctx = ctx.long() + (ctx > width * 8).long() * 2**32
+    if data.draw(st.booleans()):  # a cache too large for int32 sort keys: the int64 keys
+        pages = 2**27
+    scans = data.draw(st.booleans())  # counts by scans or by atomics
     bt, ctx = bt.to(device), ctx.to(device)
     want = tiled.tile_unions(bt, ctx, pages, tile_rows)
-    got = tiled.tile_unions_kernel(bt, ctx, pages, tile_rows)
+    got = _read(tiled.tile_unions_kernel(bt, ctx, pages, tile_rows, scans=scans))
     for name, a, b in zip(("union", "count", "row_pages", "whole", "live", "plain"), got, want, strict=True):
         assert torch.equal(a, b), name
 

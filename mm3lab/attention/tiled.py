@@ -125,15 +125,20 @@ def tile_unions(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pages: in
 
 
 @triton.jit
+def _running_max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _tile_unions_fwd(
     bt_ptr,
     ctx_ptr,
-    union_ptr,  # [Hkv, tiles, U] filled with -1
+    union_ptr,  # [Hkv, tiles, U]
     count_ptr,
     rowpages_ptr,
-    whole_ptr,  # [Hkv, tiles, U, T] zeros
-    live_ptr,  # [Hkv, tiles, U] zeros
-    plain_ptr,  # [Hkv, tiles, U] zeros
+    whole_ptr,  # [Hkv, tiles, U, T]
+    live_ptr,  # [Hkv, tiles, U]
+    plain_ptr,  # [Hkv, tiles, U]
     n_rows,
     width,
     num_pages,
@@ -145,13 +150,22 @@ def _tile_unions_fwd(
     T: tl.constexpr,
     W_PAD: tl.constexpr,
     PAGE: tl.constexpr,
+    KEY32: tl.constexpr,  # the sort keys fit in int32 (``num_pages * T * 32 < 2**31``): half the sort's work
+    SCANS: tl.constexpr,  # counts by scans of the sorted entries and plain stores (else atomics into zeros)
 ):
-    """One program per (tile, KV head): sort the tile's used entries by (page, row), then count."""
+    """One program per (tile, KV head): sort the tile's used entries by (page, row, tokens), then count.
+
+    With ``SCANS`` the counts come from scans along the sorted entries: entries of one union page, and of
+    one (page, row), are neighbours, and ``at`` (an entry's union page) never decreases, so a running
+    maximum restarts at every page. The last entry of each page (and of each (page, row)) stores its
+    page's numbers; only ``whole``'s first ``count * T`` entries are zeroed first. Tables past ``count``
+    are left as they are (the tiled kernel never reads them), but ``union``, which is ``-1`` there."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
     tiles = tl.num_programs(0)
     u_len = T * width
-    o = tl.arange(0, T * W_PAD)
+    L: tl.constexpr = T * W_PAD
+    o = tl.arange(0, L)
     t = o // W_PAD
     w = o % W_PAD
     n = tile * T + t
@@ -161,10 +175,15 @@ def _tile_unions_fwd(
     used = row_ok & (w < width) & (tokens > 0)
     page = tl.load(
         bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn + w * stride_bw, mask=used, other=-1
-    ).to(tl.int64)
+    )
+    if KEY32:
+        page = page.to(tl.int32)
+        big: tl.constexpr = 2**31 - 1
+    else:
+        page = page.to(tl.int64)
+        big: tl.constexpr = 2**62
     used = used & (page >= 0) & (page < num_pages)  # a page outside the cache is never read
     # key: page, then row, then the entry's tokens (1 .. PAGE, in 5 bits); unused entries sort last
-    big: tl.constexpr = 2**62
     key = tl.sort(tl.where(used, (page * T + t) * 32 + tokens, big))
     valid = key != big
     pg = key // (32 * T)
@@ -173,37 +192,81 @@ def _tile_unions_fwd(
     first_page = valid & ((o == 0) | (prev // T != pg))
     first_pr = valid & ((o == 0) | (prev != pr))
     at = tl.cumsum(first_page.to(tl.int32), 0) - 1
+    count = tl.sum(first_page.to(tl.int32), 0)
     base = h.to(tl.int64) * tiles + tile
     tl.store(union_ptr + base * u_len + at, pg.to(tl.int32), mask=first_page)
-    tl.store(count_ptr + base, tl.sum(first_page.to(tl.int32), 0))
+    tl.store(union_ptr + base * u_len + o, -1, mask=(o >= count) & (o < u_len))
+    tl.store(count_ptr + base, count)
     tl.store(rowpages_ptr + base, tl.sum(used.to(tl.int32), 0))
     tok = (key % 32).to(tl.int32)
     row = (pr % T).to(tl.int32)
     whole_e = valid & (tok == PAGE)
-    tl.atomic_add(whole_ptr + (base * u_len + at) * T + row, 1, mask=whole_e)
-    tl.atomic_max(live_ptr + base * u_len + at, tok, mask=valid)
-    # plain: T distinct rows, each with one whole entry and nothing else (a repeat or a tail adds 4096)
-    tl.atomic_add(plain_ptr + base * u_len + at, tl.where(whole_e & first_pr, 1, 4096), mask=valid)
-    tl.debug_barrier()
-    ou = tl.arange(0, T * W_PAD)
-    sums = tl.load(plain_ptr + base * u_len + ou, mask=ou < u_len, other=0)
-    tl.store(plain_ptr + base * u_len + ou, (sums == T).to(tl.int32), mask=ou < u_len)
+    if SCANS:
+        nxt = tl.gather(key, tl.minimum(o + 1, L - 1), 0)
+        end = (o == L - 1) | (nxt == big)
+        last_page = valid & (end | (nxt // (32 * T) != pg))
+        last_pr = valid & (end | (nxt // 32 != pr))
+        ones_w = whole_e.to(tl.int32)
+        ones_r = first_pr.to(tl.int32)
+        cw = tl.cumsum(ones_w, 0)  # whole entries so far
+        cr = tl.cumsum(ones_r, 0)  # distinct (page, row) pairs so far
+        # running maxima of values marked at a segment's first entry: that segment's start
+        w_pr = cw - tl.associative_scan(tl.where(first_pr, cw - ones_w, 0), 0, _running_max)
+        first_at = tl.associative_scan(tl.where(first_page, o, 0), 0, _running_max)
+        w_page = cw - tl.associative_scan(tl.where(first_page, cw - ones_w, 0), 0, _running_max)
+        r_page = cr - tl.associative_scan(tl.where(first_page, cr - ones_r, 0), 0, _running_max)
+        # the page's most-read tokens: ``at`` never decreases, so the running max of at * 64 + tokens is per page
+        live = tl.associative_scan(tl.where(valid, at * 64 + tok, -1), 0, _running_max) - at * 64
+        # plain: T distinct rows, each with one whole entry and nothing else
+        plain = (o - first_at + 1 == T) & (w_page == T) & (r_page == T)
+        tl.store(live_ptr + base * u_len + at, live, mask=last_page)
+        tl.store(plain_ptr + base * u_len + at, plain.to(tl.int32), mask=last_page)
+        whole_row = whole_ptr + base * u_len * T
+        z = 0
+        while z < count * T:  # zero the counts the tiled kernel reads, then set the used ones
+            tl.store(whole_row + z + o, 0, mask=z + o < count * T)
+            z += L
+        tl.debug_barrier()
+        tl.store(whole_row + at * T + row, w_pr, mask=last_pr)
+    else:
+        tl.atomic_add(whole_ptr + (base * u_len + at) * T + row, 1, mask=whole_e)
+        tl.atomic_max(live_ptr + base * u_len + at, tok, mask=valid)
+        # plain: T distinct rows, each with one whole entry and nothing else (a repeat or a tail adds 4096)
+        tl.atomic_add(plain_ptr + base * u_len + at, tl.where(whole_e & first_pr, 1, 4096), mask=valid)
+        tl.debug_barrier()
+        sums = tl.load(plain_ptr + base * u_len + o, mask=o < u_len, other=0)
+        tl.store(plain_ptr + base * u_len + o, (sums == T).to(tl.int32), mask=o < u_len)
 
 
-def tile_unions_kernel(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pages: int, tile_rows: int):
-    """:func:`tile_unions` in one Triton launch (plus the outputs' fills); the same results."""
+PREPASS_SCANS = True
+"""The pre-pass counts by scans and plain stores (``True``) or by atomics into zeroed tables."""
+
+
+def tile_unions_kernel(
+    sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pages: int, tile_rows: int, *, scans: bool | None = None
+):
+    """:func:`tile_unions` in one Triton launch: the same ``union``, ``count`` and ``row_pages``, and the same
+    ``whole``, ``live`` and ``plain`` for the first ``count`` union pages of each tile (past them they are
+    unspecified: nothing reads them).
+
+    The sort keys are int32 where every key fits (``num_pages * tile_rows * 32 < 2**31``, 1M pages of the
+    4-row tiles), else int64; four warps sort up to 512 entries, eight more. ``scans``: override
+    :data:`PREPASS_SCANS` (tests)."""
     hkv, n, width = sparse_bt.shape
     tiles = max(1, math.ceil(n / tile_rows))
     u = tile_rows * width
     dev = sparse_bt.device
-    union = torch.full((hkv, tiles, u), -1, dtype=torch.int32, device=dev)
+    scans = PREPASS_SCANS if scans is None else scans
+    fill = torch.empty if scans else torch.zeros
+    union = torch.empty(hkv, tiles, u, dtype=torch.int32, device=dev)
     count = torch.empty(hkv, tiles, dtype=torch.int32, device=dev)
     row_pages = torch.empty(hkv, tiles, dtype=torch.int32, device=dev)
-    whole = torch.zeros(hkv, tiles, u, tile_rows, dtype=torch.int32, device=dev)
-    live = torch.zeros(hkv, tiles, u, dtype=torch.int32, device=dev)
-    plain = torch.zeros(hkv, tiles, u, dtype=torch.int32, device=dev)
+    whole = fill(hkv, tiles, u, tile_rows, dtype=torch.int32, device=dev)
+    live = fill(hkv, tiles, u, dtype=torch.int32, device=dev)
+    plain = fill(hkv, tiles, u, dtype=torch.int32, device=dev)
     tables = (union, count, row_pages, whole, live, plain)
     if width == 0 or n == 0:
+        union.fill_(-1)
         count.zero_()
         row_pages.zero_()
         return tables
@@ -219,7 +282,9 @@ def tile_unions_kernel(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pa
         T=tile_rows,
         W_PAD=next_power_of_2(width),
         PAGE=PAGE_SIZE,
-        num_warps=8,
+        KEY32=num_pages * tile_rows * 32 < 2**31 - 1,
+        SCANS=scans,
+        num_warps=4 if tile_rows * next_power_of_2(width) <= 512 else 8,
     )
     return tables
 
