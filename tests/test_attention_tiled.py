@@ -11,7 +11,6 @@ row-by-row walk forced.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -226,14 +225,7 @@ def _read(tables):
     return union, count, row_pages, whole, live.masked_fill(past, 0), plain.masked_fill(past, 0)
 
 
-PREPASSES = [
-    tiled.tile_unions,
-    tiled.tile_unions_kernel,
-    functools.partial(tiled.tile_unions_kernel, scans=False),
-]
-
-
-@pytest.mark.parametrize("prepass", PREPASSES)
+@pytest.mark.parametrize("prepass", [tiled.tile_unions, tiled.tile_unions_kernel])
 def test_tile_unions_lists_distinct_used_pages(device, prepass):
     bt = torch.tensor([[[5, 6, 7, 9], [6, 2, 6, 9], [1, 1, 1, 1]]], dtype=torch.int32, device=device)
     ctx = torch.tensor([[40, 64, 0]], dtype=torch.int32, device=device)  # 3 pages (the last 8 tokens), 4, none
@@ -256,8 +248,8 @@ def test_tile_unions_lists_distinct_used_pages(device, prepass):
 @given(data=st.data())
 def test_tile_unions_kernel_matches_torch(device, data):
     """The Triton pre-pass gives the PyTorch pre-pass's tables exactly: random page lists with repeats,
-    pages outside the cache, padded rows, tails mid-page, ``ctx`` 0; int32 and int64 sort keys, counts by
-    scans and by atomics (compared where the tiled kernel reads them)."""
+    pages outside the cache, padded rows, tails mid-page, ``ctx`` 0; int32 and int64 sort keys
+    (compared where the tiled kernel reads them)."""
     hkv = data.draw(st.integers(1, 2))
     n = data.draw(st.integers(1, 12))
     width = data.draw(st.integers(1, 12))
@@ -271,10 +263,9 @@ def test_tile_unions_kernel_matches_torch(device, data):
         ctx = ctx.long() + (ctx > width * 8).long() * 2**32
     if data.draw(st.booleans()):  # a cache too large for int32 sort keys: the int64 keys
         pages = 2**27
-    scans = data.draw(st.booleans())  # counts by scans or by atomics
     bt, ctx = bt.to(device), ctx.to(device)
     want = tiled.tile_unions(bt, ctx, pages, tile_rows)
-    got = _read(tiled.tile_unions_kernel(bt, ctx, pages, tile_rows, scans=scans))
+    got = _read(tiled.tile_unions_kernel(bt, ctx, pages, tile_rows))
     for name, a, b in zip(("union", "count", "row_pages", "whole", "live", "plain"), got, want, strict=True):
         assert torch.equal(a, b), name
 

@@ -151,11 +151,10 @@ def _tile_unions_fwd(
     W_PAD: tl.constexpr,
     PAGE: tl.constexpr,
     KEY32: tl.constexpr,  # the sort keys fit in int32 (``num_pages * T * 32 < 2**31``): half the sort's work
-    SCANS: tl.constexpr,  # counts by scans of the sorted entries and plain stores (else atomics into zeros)
 ):
     """One program per (tile, KV head): sort the tile's used entries by (page, row, tokens), then count.
 
-    With ``SCANS`` the counts come from scans along the sorted entries: entries of one union page, and of
+    The counts come from scans along the sorted entries (no atomics): entries of one union page, and of
     one (page, row), are neighbours, and ``at`` (an entry's union page) never decreases, so a running
     maximum restarts at every page. The last entry of each page (and of each (page, row)) stores its
     page's numbers; only ``whole``'s first ``count * T`` entries are zeroed first. Tables past ``count``
@@ -201,69 +200,52 @@ def _tile_unions_fwd(
     tok = (key % 32).to(tl.int32)
     row = (pr % T).to(tl.int32)
     whole_e = valid & (tok == PAGE)
-    if SCANS:
-        nxt = tl.gather(key, tl.minimum(o + 1, L - 1), 0)
-        end = (o == L - 1) | (nxt == big)
-        last_page = valid & (end | (nxt // (32 * T) != pg))
-        last_pr = valid & (end | (nxt // 32 != pr))
-        ones_w = whole_e.to(tl.int32)
-        ones_r = first_pr.to(tl.int32)
-        cw = tl.cumsum(ones_w, 0)  # whole entries so far
-        cr = tl.cumsum(ones_r, 0)  # distinct (page, row) pairs so far
-        # running maxima of values marked at a segment's first entry: that segment's start
-        w_pr = cw - tl.associative_scan(tl.where(first_pr, cw - ones_w, 0), 0, _running_max)
-        first_at = tl.associative_scan(tl.where(first_page, o, 0), 0, _running_max)
-        w_page = cw - tl.associative_scan(tl.where(first_page, cw - ones_w, 0), 0, _running_max)
-        r_page = cr - tl.associative_scan(tl.where(first_page, cr - ones_r, 0), 0, _running_max)
-        # the page's most-read tokens: ``at`` never decreases, so the running max of at * 64 + tokens is per page
-        live = tl.associative_scan(tl.where(valid, at * 64 + tok, -1), 0, _running_max) - at * 64
-        # plain: T distinct rows, each with one whole entry and nothing else
-        plain = (o - first_at + 1 == T) & (w_page == T) & (r_page == T)
-        tl.store(live_ptr + base * u_len + at, live, mask=last_page)
-        tl.store(plain_ptr + base * u_len + at, plain.to(tl.int32), mask=last_page)
-        whole_row = whole_ptr + base * u_len * T
-        z = 0
-        while z < count * T:  # zero the counts the tiled kernel reads, then set the used ones
-            tl.store(whole_row + z + o, 0, mask=z + o < count * T)
-            z += L
-        tl.debug_barrier()
-        tl.store(whole_row + at * T + row, w_pr, mask=last_pr)
-    else:
-        tl.atomic_add(whole_ptr + (base * u_len + at) * T + row, 1, mask=whole_e)
-        tl.atomic_max(live_ptr + base * u_len + at, tok, mask=valid)
-        # plain: T distinct rows, each with one whole entry and nothing else (a repeat or a tail adds 4096)
-        tl.atomic_add(plain_ptr + base * u_len + at, tl.where(whole_e & first_pr, 1, 4096), mask=valid)
-        tl.debug_barrier()
-        sums = tl.load(plain_ptr + base * u_len + o, mask=o < u_len, other=0)
-        tl.store(plain_ptr + base * u_len + o, (sums == T).to(tl.int32), mask=o < u_len)
+    nxt = tl.gather(key, tl.minimum(o + 1, L - 1), 0)
+    end = (o == L - 1) | (nxt == big)
+    last_page = valid & (end | (nxt // (32 * T) != pg))
+    last_pr = valid & (end | (nxt // 32 != pr))
+    ones_w = whole_e.to(tl.int32)
+    ones_r = first_pr.to(tl.int32)
+    cw = tl.cumsum(ones_w, 0)  # whole entries so far
+    cr = tl.cumsum(ones_r, 0)  # distinct (page, row) pairs so far
+    # running maxima of values marked at a segment's first entry: that segment's start
+    w_pr = cw - tl.associative_scan(tl.where(first_pr, cw - ones_w, 0), 0, _running_max)
+    first_at = tl.associative_scan(tl.where(first_page, o, 0), 0, _running_max)
+    w_page = cw - tl.associative_scan(tl.where(first_page, cw - ones_w, 0), 0, _running_max)
+    r_page = cr - tl.associative_scan(tl.where(first_page, cr - ones_r, 0), 0, _running_max)
+    # the page's most-read tokens: ``at`` never decreases, so the running max of at * 64 + tokens is per page
+    live = tl.associative_scan(tl.where(valid, at * 64 + tok, -1), 0, _running_max) - at * 64
+    # plain: T distinct rows, each with one whole entry and nothing else
+    plain = (o - first_at + 1 == T) & (w_page == T) & (r_page == T)
+    tl.store(live_ptr + base * u_len + at, live, mask=last_page)
+    tl.store(plain_ptr + base * u_len + at, plain.to(tl.int32), mask=last_page)
+    whole_row = whole_ptr + base * u_len * T
+    z = 0
+    while z < count * T:  # zero the counts the tiled kernel reads, then set the used ones
+        tl.store(whole_row + z + o, 0, mask=z + o < count * T)
+        z += L
+    tl.debug_barrier()
+    tl.store(whole_row + at * T + row, w_pr, mask=last_pr)
 
 
-PREPASS_SCANS = True
-"""The pre-pass counts by scans and plain stores (``True``) or by atomics into zeroed tables."""
-
-
-def tile_unions_kernel(
-    sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pages: int, tile_rows: int, *, scans: bool | None = None
-):
+def tile_unions_kernel(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pages: int, tile_rows: int):
     """:func:`tile_unions` in one Triton launch: the same ``union``, ``count`` and ``row_pages``, and the same
     ``whole``, ``live`` and ``plain`` for the first ``count`` union pages of each tile (past them they are
     unspecified: nothing reads them).
 
     The sort keys are int32 where every key fits (``num_pages * tile_rows * 32 < 2**31``, 1M pages of the
-    4-row tiles), else int64; four warps sort up to 512 entries, eight more. ``scans``: override
-    :data:`PREPASS_SCANS` (tests)."""
+    4-row tiles), else int64; four warps sort up to 512 entries, eight more. Measured on an H100 (4096-token
+    chunk at 32K, graph): 0.055 ms, where int64 keys, eight warps, atomics into zero-filled tables took 0.118 ms."""
     hkv, n, width = sparse_bt.shape
     tiles = max(1, math.ceil(n / tile_rows))
     u = tile_rows * width
     dev = sparse_bt.device
-    scans = PREPASS_SCANS if scans is None else scans
-    fill = torch.empty if scans else torch.zeros
     union = torch.empty(hkv, tiles, u, dtype=torch.int32, device=dev)
     count = torch.empty(hkv, tiles, dtype=torch.int32, device=dev)
     row_pages = torch.empty(hkv, tiles, dtype=torch.int32, device=dev)
-    whole = fill(hkv, tiles, u, tile_rows, dtype=torch.int32, device=dev)
-    live = fill(hkv, tiles, u, dtype=torch.int32, device=dev)
-    plain = fill(hkv, tiles, u, dtype=torch.int32, device=dev)
+    whole = torch.empty(hkv, tiles, u, tile_rows, dtype=torch.int32, device=dev)
+    live = torch.empty(hkv, tiles, u, dtype=torch.int32, device=dev)
+    plain = torch.empty(hkv, tiles, u, dtype=torch.int32, device=dev)
     tables = (union, count, row_pages, whole, live, plain)
     if width == 0 or n == 0:
         union.fill_(-1)
@@ -283,7 +265,6 @@ def tile_unions_kernel(
         W_PAD=next_power_of_2(width),
         PAGE=PAGE_SIZE,
         KEY32=num_pages * tile_rows * 32 < 2**31 - 1,
-        SCANS=scans,
         num_warps=4 if tile_rows * next_power_of_2(width) <= 512 else 8,
     )
     return tables
