@@ -79,7 +79,7 @@ def install(launch) -> None:
     warmup=..., **kwargs)``."""
     from triton.runtime.jit import JITFunction
 
-    from mm3lab import backend
+    from mm3lab import _replay, backend
     from mm3lab.attention import kernel as attention_kernel
     from mm3lab.msa import recorded
 
@@ -88,5 +88,6 @@ def install(launch) -> None:
     JITFunction.run = launch
     attention_kernel._device_programs = lambda device: H200_SMS
     recorded.ENABLED = False  # the one-shot replay path needs real launches
+    _replay.ENABLED = False  # (and so does recording a plan's run)
     use_kernel = backend.use_kernel
     backend.use_kernel = lambda *tensors, **kw: use_kernel(**kw)  # (CPU tensors would take the PyTorch path)

@@ -16,8 +16,8 @@ the dtypes, the cache layout and the selection (``topk``, ``init_blocks``,
 * ``run(...)`` checks only tensor metadata against the plan (no device work), runs
   the value checks while validation is on (:func:`mm3lab.validation`; skipped while a
   CUDA graph is being captured), and launches the step's kernels into the plan's
-  buffers: rows and slots, index-cache insert, KV write, indexer scores, fused
-  top-k + sparse block table, attention. It allocates nothing, so it can be
+  buffers: rows, slots, index-cache insert and KV write (one launch, :mod:`mm3lab.msa.insert`),
+  indexer scores, fused top-k + sparse block table, attention. It allocates nothing, so it can be
   captured in the caller's own ``torch.cuda.graph``.
 * With ``graph=True`` (CUDA only) the plan captures that launch sequence in its own
   CUDA graph on the first ``run`` and replays it afterwards: inputs are copied into
@@ -71,7 +71,6 @@ from .constants import DEFAULT_TOPK, PAGES_PER_SPARSE_BLOCK
 from .fp8 import FP8_DTYPE
 from .index_cache.checks import check_index_cache, check_index_scale
 from .layout.views import check_kv_scales, check_kv_views
-from .rows import rows_and_slots
 
 __all__ = ["MSADecodePlan", "MSAPrefillPlan"]
 
@@ -348,20 +347,34 @@ class _MSAPlan:
     # --- the step's launches (arguments already checked; they allocate nothing) ---------------
 
     def _insert(self, inputs: dict, caches) -> None:
-        """Rows and slots, index-cache insert, KV write."""
-        from .index_cache.kernel import insert_index_cache_kernel
-        from .layout.kernel import write_kv_page16_kernel
+        """Rows and slots, index-cache insert, KV write: one launch (:mod:`mm3lab.msa.insert`)."""
+        from .msa.insert import step_insert_kernel
 
         k_cache, v_cache, index_cache, index_scale, k_scale, v_scale = caches
-        bt = inputs["block_table"]
         if self._prefill:
-            rows_and_slots(bt, inputs["query_req_id"], inputs["query_abs_pos"], self.slots)
+            req, pos, rows = inputs["query_req_id"], inputs["query_abs_pos"], {}
         else:
-            dql = self.decode_query_len
-            rows_and_slots(bt, self.req, self.pos, self.slots, seq_lens=inputs["seq_lens"], decode_query_len=dql)
-        insert_index_cache_kernel(inputs["index_k"], index_cache, self.slots, index_scale)
-        write_kv_page16_kernel(
-            inputs["key"], inputs["value"], k_cache, v_cache, self.slots, self.block_page_stride, k_scale, v_scale
+            req, pos, rows = (
+                self.req,
+                self.pos,
+                {"seq_lens": inputs["seq_lens"], "decode_query_len": self.decode_query_len},
+            )
+        step_insert_kernel(
+            inputs["block_table"],
+            req,
+            pos,
+            self.slots,
+            inputs["index_k"],
+            index_cache,
+            inputs["key"],
+            inputs["value"],
+            k_cache,
+            v_cache,
+            self.block_page_stride,
+            index_scale=index_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            **rows,
         )
 
     def _scores(self, inputs: dict, caches) -> None:

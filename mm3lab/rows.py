@@ -77,6 +77,43 @@ def row_request_position(n, live, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, 
 
 
 @triton.jit
+def row_slots_store(
+    offs,
+    ok,
+    seq_lens_ptr,
+    bt_ptr,
+    stride_bb,
+    stride_bm,
+    req_ptr,
+    stride_r,
+    pos_ptr,
+    stride_p,
+    slot_ptr,
+    B,
+    M,
+    DQL,
+    PREFILL: tl.constexpr,
+    SPARSE_BLOCK: tl.constexpr,
+):
+    """Rows ``offs`` (where ``ok``) of one step: store their slots (and, decode, their request and
+    position) and return the slots, int64, ``-1`` for a padded row or one outside the table."""
+    if PREFILL:
+        r, p = row_request_position(offs, ok, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, True)
+    else:
+        r, p = row_request_position(offs, ok, seq_lens_ptr, 1, pos_ptr, stride_p, B, DQL, False)
+        p = tl.where(p < 0, -1, p)
+        tl.store(req_ptr + offs * stride_r, r.to(req_ptr.dtype.element_ty), mask=ok)
+        tl.store(pos_ptr + offs * stride_p, p.to(pos_ptr.dtype.element_ty), mask=ok)
+    pc = tl.where(p < 0, 0, p)
+    logical = pc // SPARSE_BLOCK
+    live = ok & (p >= 0) & (logical < M)
+    phys = tl.load(bt_ptr + r * stride_bb + tl.where(live, logical, 0) * stride_bm, mask=live, other=0).to(tl.int64)
+    slot = tl.where(live, phys * SPARSE_BLOCK + pc % SPARSE_BLOCK, -1)
+    tl.store(slot_ptr + offs, slot, mask=ok)
+    return slot
+
+
+@triton.jit
 def _rows_slots(
     seq_lens_ptr,
     bt_ptr,
@@ -96,20 +133,10 @@ def _rows_slots(
     SPARSE_BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
-    if PREFILL:
-        r, p = row_request_position(offs, ok, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, True)
-    else:
-        r, p = row_request_position(offs, ok, seq_lens_ptr, 1, pos_ptr, stride_p, B, DQL, False)
-        p = tl.where(p < 0, -1, p)
-        tl.store(req_ptr + offs * stride_r, r.to(req_ptr.dtype.element_ty), mask=ok)
-        tl.store(pos_ptr + offs * stride_p, p.to(pos_ptr.dtype.element_ty), mask=ok)
-    pc = tl.where(p < 0, 0, p)
-    logical = pc // SPARSE_BLOCK
-    live = ok & (p >= 0) & (logical < M)
-    phys = tl.load(bt_ptr + r * stride_bb + tl.where(live, logical, 0) * stride_bm, mask=live, other=0).to(tl.int64)
-    slot = tl.where(live, phys * SPARSE_BLOCK + pc % SPARSE_BLOCK, -1)
-    tl.store(slot_ptr + offs, slot, mask=ok)
+    row_slots_store(
+        offs, offs < N, seq_lens_ptr, bt_ptr, stride_bb, stride_bm, req_ptr, stride_r, pos_ptr, stride_p, slot_ptr,
+        B, M, DQL, PREFILL, SPARSE_BLOCK,
+    )  # fmt: skip
 
 
 def row_slots(block_table: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

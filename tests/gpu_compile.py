@@ -148,6 +148,7 @@ def run_calls(dtypes) -> int:
             chunk = offline.prefill_chunk(layer)
             mm3lab.msa_prefill(**chunk)
             calls += 3
+            calls += run_plans(layer, chunk, dtype)
             caches = (layer["k_cache"], layer["v_cache"])
             scales = dict(k_scale=layer["k_scale"], v_scale=layer["v_scale"])
             index_scale = layer["index_scale"]
@@ -173,6 +174,23 @@ def run_calls(dtypes) -> int:
                         )
                         calls += 1
     return calls
+
+
+def run_plans(layer: dict, chunk: dict, dtype) -> int:
+    """A decode plan and a prefill plan over ``layer``'s caches (their step's first launch is their own)."""
+    caches = [layer[name] for name in ("k_cache", "v_cache", "index_cache")]
+    scales = {name: layer[name] for name in ("index_scale", "k_scale", "v_scale")}
+    batch, max_blocks = layer["block_table"].shape
+    sizes = dict(max_blocks=max_blocks, num_q_heads=HQ, topk=TOPK, query_dtype=dtype, **scales)
+    inputs = [layer[name] for name in ("q", "key", "value", "index_q", "index_k")]
+    mm3lab.MSADecodePlan(*caches, batch=batch, **sizes).run(
+        *inputs, *caches, layer["block_table"], layer["seq_lens"], **scales
+    )
+    inputs = [chunk[name] for name in ("q", "key", "value", "index_q", "index_k")]
+    rows = (chunk["query_req_id"], chunk["query_abs_pos"])
+    plan = mm3lab.MSAPrefillPlan(*caches, num_tokens=rows[0].shape[0], batch=batch, algorithm="rows", **sizes)
+    plan.run(*inputs, *caches, layer["block_table"], *rows, **scales)
+    return 2
 
 
 def run_value_checks() -> int:

@@ -74,7 +74,7 @@ def test_replayed_runs_equal_normal_launches_and_rerecord_on_new_strides_alignme
     # one recording per kind of input, replayed while the kind stays
     assert records[0] is records[1] is records[2] and records[3] is records[4] and records[5] is records[6]
     assert len({id(r) for r in records}) == 4 and records[0].replays == 2 and records[3].replays == 1
-    assert len(records[0].launches) >= 6  # rows and slots, two inserts, scores, top-k + table, attention
+    assert len(records[0].launches) >= 4  # rows, slots and both inserts, scores, top-k + table, attention
     # a different cache (same shape) is a new recording, and still the same answer
     kv_c, kc, vc, icc = _caches(layer)
     kv_c.copy_(kv_a)

@@ -20,6 +20,46 @@ FP8_MAX = tl.constexpr(_FP8_MAX_VALUE)
 
 
 @triton.jit
+def index_rows_store(
+    index_k_ptr,
+    stride_kn,
+    stride_kd,
+    cache_ptr,
+    stride_cb,
+    stride_ct,
+    rows,
+    in_rows,
+    slot,
+    dims,
+    Di,
+    capacity,
+    scale_ptr,
+    stride_sb,
+    INTERPRETED: tl.constexpr,
+    QUANT: tl.constexpr,
+    SPARSE_BLOCK: tl.constexpr,
+):
+    """Copy dims ``dims`` of the index keys of ``rows`` (where ``in_rows``) to int64 slots ``slot``
+    (a negative slot or one past ``capacity`` writes nothing; ``QUANT``: ``dims`` cover the key)."""
+    write = in_rows & (slot >= 0) & (slot < capacity)
+    block = tl.where(write, slot // SPARSE_BLOCK, 0)
+    offset = tl.where(write, slot % SPARSE_BLOCK, 0)
+    mask = write[:, None] & (dims[None, :] < Di)
+    src = index_k_ptr + rows.to(tl.int64)[:, None] * stride_kn + dims[None, :] * stride_kd
+    keys = tl.load(src, mask=mask)
+    dst = cache_ptr + block[:, None] * stride_cb + offset[:, None] * stride_ct + dims[None, :]
+    if QUANT:  # SPEC section 9: scale = amax(|k|) / 448 (1 for a zero key), stored k / scale in e4m3
+        kf = tl.where(mask, keys.to(tl.float32), 0.0)
+        amax = tl.max(tl.abs(kf), 1)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
+        q = tl.math.div_rn(kf, tl.broadcast_to(scale[:, None], kf.shape))
+        tl.store(dst, round_to_e4m3(q, INTERPRETED), mask=mask)
+        tl.store(scale_ptr + block * stride_sb + offset, scale, mask=write)
+    else:
+        tl.store(dst, keys, mask=mask)
+
+
+@triton.jit
 def _insert_index_cache(
     index_k_ptr,  # [N, Di] any row stride, any dim stride
     stride_kn,
@@ -44,22 +84,10 @@ def _insert_index_cache(
     dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_rows = rows < N
     slot = tl.load(slot_ptr + rows.to(tl.int64) * stride_s, mask=in_rows, other=-1).to(tl.int64)
-    write = in_rows & (slot >= 0) & (slot < capacity)
-    block = tl.where(write, slot // SPARSE_BLOCK, 0)
-    offset = tl.where(write, slot % SPARSE_BLOCK, 0)
-    mask = write[:, None] & (dims[None, :] < Di)
-    src = index_k_ptr + rows.to(tl.int64)[:, None] * stride_kn + dims[None, :] * stride_kd
-    keys = tl.load(src, mask=mask)
-    dst = cache_ptr + block[:, None] * stride_cb + offset[:, None] * stride_ct + dims[None, :]
-    if QUANT:  # SPEC section 9: scale = amax(|k|) / 448 (1 for a zero key), stored k / scale in e4m3
-        kf = tl.where(mask, keys.to(tl.float32), 0.0)
-        amax = tl.max(tl.abs(kf), 1)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
-        q = tl.math.div_rn(kf, tl.broadcast_to(scale[:, None], kf.shape))
-        tl.store(dst, round_to_e4m3(q, INTERPRETED), mask=mask)
-        tl.store(scale_ptr + block * stride_sb + offset, scale, mask=write)
-    else:
-        tl.store(dst, keys, mask=mask)
+    index_rows_store(
+        index_k_ptr, stride_kn, stride_kd, cache_ptr, stride_cb, stride_ct, rows, in_rows, slot, dims, Di, capacity,
+        scale_ptr, stride_sb, INTERPRETED, QUANT, SPARSE_BLOCK,
+    )  # fmt: skip
 
 
 def insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale=None) -> None:
@@ -91,4 +119,4 @@ def insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale=No
     )
 
 
-__all__ = ["insert_index_cache_kernel"]
+__all__ = ["index_rows_store", "insert_index_cache_kernel"]

@@ -489,9 +489,11 @@ def index_scores_kernel(
         blocks_per_program = m  # few, long programs: the interpreter pays per program
     else:
         # enough programs to fill every SM, even at batch 1 (FP8 keys: twice as many, each half as
-        # long, since a block is half the bytes)
-        target = (16 if fp8 else 8) * _num_sms(index_q.device)
-        blocks_per_program = max(4, cdiv(tiles * m, target))
+        # long, since a block is half the bytes); where the blocks are few (a short context at small
+        # batch) down to one block a program, so that about two programs per SM share them
+        sms = _num_sms(index_q.device)
+        target = (16 if fp8 else 8) * sms
+        blocks_per_program = min(max(4, cdiv(tiles * m, target)), cdiv(tiles * m, 2 * sms))
     chunks = cdiv(m, blocks_per_program)
     if block_table.numel() == 0:
         block_table = torch.zeros(1, 1, dtype=torch.int32, device=index_q.device)
@@ -762,7 +764,9 @@ def topk_kernel(
         if backend.INTERPRETER:  # few programs: the interpreter pays per program and per operation
             rows_per_program = max(1, min(next_power_of_2(rows), 16384 // block_w))
         else:
-            rows_per_program = max(1, min(next_power_of_2(rows), 2048 // block_w, 4 if emit else 64))
+            # one row a program where it emits the table: each program writes its rows' tables one
+            # after another, so fewer rows a program is the shorter path
+            rows_per_program = 1 if emit else max(1, min(next_power_of_2(rows), 2048 // block_w, 64))
     if group is None:
         group = TOPK_GROUP if block_w >= 64 * k_block else 1
     if group < 1 or (group > 1 and (group & (group - 1) or block_w // group < k_block)):
@@ -801,7 +805,7 @@ def topk_kernel(
         BLOCK_PAGE_STRIDE=block_page_stride,
         SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
         PAGES=PAGES_PER_SPARSE_BLOCK,
-        num_warps=num_warps or (8 if tile >= 4096 and group == 1 else (4 if tile >= 1024 else 2)),
+        num_warps=num_warps or (8 if tile >= 4096 and group == 1 else (4 if tile >= 1024 or emit else 2)),
     )
 
 
