@@ -28,7 +28,15 @@ from ._checks import check_index, check_int
 from ._grid import cdiv
 from .constants import SPARSE_BLOCK_SIZE
 
-__all__ = ["decode_query_rows", "decode_rows", "row_request_position", "row_slots", "rows_and_slots"]
+__all__ = [
+    "decode_query_rows",
+    "decode_rows",
+    "row_launch_args",
+    "row_request_position",
+    "row_slots",
+    "row_slots_store",
+    "rows_and_slots",
+]
 
 _BLOCK = 128
 
@@ -80,14 +88,8 @@ def row_request_position(n, live, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, 
 def row_slots_store(
     offs,
     ok,
-    seq_lens_ptr,
-    bt_ptr,
-    stride_bb,
-    stride_bm,
-    req_ptr,
-    stride_r,
-    pos_ptr,
-    stride_p,
+    rows,  # (seq_lens_ptr, req_ptr, stride_r, pos_ptr, stride_p): decode reads seq_lens and writes req / pos
+    table,  # (bt_ptr, stride_bb, stride_bm)
     slot_ptr,
     B,
     M,
@@ -97,6 +99,8 @@ def row_slots_store(
 ):
     """Rows ``offs`` (where ``ok``) of one step: store their slots (and, decode, their request and
     position) and return the slots, int64, ``-1`` for a padded row or one outside the table."""
+    seq_lens_ptr, req_ptr, stride_r, pos_ptr, stride_p = rows
+    bt_ptr, stride_bb, stride_bm = table
     if PREFILL:
         r, p = row_request_position(offs, ok, req_ptr, stride_r, pos_ptr, stride_p, B, DQL, True)
     else:
@@ -134,7 +138,7 @@ def _rows_slots(
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_slots_store(
-        offs, offs < N, seq_lens_ptr, bt_ptr, stride_bb, stride_bm, req_ptr, stride_r, pos_ptr, stride_p, slot_ptr,
+        offs, offs < N, (seq_lens_ptr, req_ptr, stride_r, pos_ptr, stride_p), (bt_ptr, stride_bb, stride_bm), slot_ptr,
         B, M, DQL, PREFILL, SPARSE_BLOCK,
     )  # fmt: skip
 
@@ -161,6 +165,13 @@ def _rows_slots_torch(seq_lens, block_table, req, pos, slots, dql, prefill) -> N
     slots.copy_(row_slots(block_table, req, pos))
 
 
+def row_launch_args(block_table, req, pos, slots, seq_lens, decode_query_len: int, *middle) -> tuple:
+    """The leading arguments of a kernel that runs :func:`row_slots_store` (``_rows_slots`` and the MSA
+    step's fused insert): the rows' tensors and strides, ``middle``, then ``B, M, DQL``."""
+    rows = (req if seq_lens is None else seq_lens, block_table, *block_table.stride(), req, req.stride(0), pos)
+    return (*rows, pos.stride(0), slots, *middle, *block_table.shape, decode_query_len)
+
+
 def rows_and_slots(
     block_table: torch.Tensor,
     req: torch.Tensor,
@@ -183,21 +194,8 @@ def rows_and_slots(
     if not backend.use_kernel(block_table, req, pos, slots) or block_table.numel() == 0:
         _rows_slots_torch(seq_lens, block_table, req, pos, slots, decode_query_len, prefill)
         return
-    b, m = block_table.shape
     _rows_slots[(cdiv(n, _BLOCK),)](
-        req if prefill else seq_lens,
-        block_table,
-        block_table.stride(0),
-        block_table.stride(1),
-        req,
-        req.stride(0),
-        pos,
-        pos.stride(0),
-        slots,
-        n,
-        b,
-        m,
-        decode_query_len,
+        *row_launch_args(block_table, req, pos, slots, seq_lens, decode_query_len, n),
         PREFILL=prefill,
         BLOCK=_BLOCK,
         SPARSE_BLOCK=SPARSE_BLOCK_SIZE,

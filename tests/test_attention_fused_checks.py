@@ -290,15 +290,33 @@ def test_the_table_launch_flags_exactly_what_the_value_checks_reject(device, spo
         assert flags == [0, 0, 1] and _table_checks_raise(topk, block_table, seq_lens, stride)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_replayed_checked_table_call_checks_inside_its_launch():
+def _gpu_table_case(seed: int, spread: int):
+    """A fresh table memo (returned) and a decode table case on the GPU whose requests use all 5 blocks."""
     from mm3lab.block_table import _MEMO as TABLE_MEMO
 
     TABLE_MEMO.clear()
-    g = torch.Generator().manual_seed(5)
-    topk, block_table, seq_lens = _decode_table_case(g, 2, "cuda")
+    topk, block_table, seq_lens = _decode_table_case(torch.Generator().manual_seed(seed), spread, "cuda")
     seq_lens.fill_(5 * 128)
+    return TABLE_MEMO, topk, block_table, seq_lens
+
+
+def _spoiled(topk, block_table, seq_lens, what, seq_len, topk_at, entry_at):
+    """Copies of the case with one bad value: ``seq_len`` (``(request, value)``), ``topk`` (block 5 at ``topk_at``),
+    ``entry`` (a block-table entry past every cache at ``entry_at``); ``None``: unchanged copies."""
+    t, bt, sl = topk.clone(), block_table.clone(), seq_lens.clone()
+    if what == "seq_len":
+        sl[seq_len[0]] = seq_len[1]
+    elif what == "topk":
+        t[topk_at] = 5
+    elif what == "entry":
+        bt[entry_at] = 2**29
+    return t, bt, sl
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_replayed_checked_table_call_checks_inside_its_launch():
+    TABLE_MEMO, topk, block_table, seq_lens = _gpu_table_case(5, 2)
     first = mm3lab.build_sparse_block_table_decode(topk, block_table, seq_lens, 2)
     _valcheck.reset_stats()
     again = mm3lab.build_sparse_block_table_decode(topk, block_table, seq_lens, 2)
@@ -312,13 +330,7 @@ def test_a_replayed_checked_table_call_checks_inside_its_launch():
         ("entry", r"block_table"),
     ]
     for what, match in cases:
-        t, bt, sl = topk.clone(), block_table.clone(), seq_lens.clone()
-        if what == "seq_len":
-            sl[1] = 641
-        elif what == "topk":
-            t[1, 3, 0] = 5
-        else:
-            bt[0, 4] = 2**29
+        t, bt, sl = _spoiled(topk, block_table, seq_lens, what, (1, 641), (1, 3, 0), (0, 4))
         with pytest.raises(ValueError, match=match):
             mm3lab.build_sparse_block_table_decode(t, bt, sl, 2)
         again = mm3lab.build_sparse_block_table_decode(topk, block_table, seq_lens, 2)  # the flags were cleared
@@ -329,24 +341,13 @@ def test_a_replayed_checked_table_call_checks_inside_its_launch():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_replayed_checked_table_call_into_a_callers_buffers_restores_them_when_rejected():
-    from mm3lab.block_table import _MEMO as TABLE_MEMO
-
-    TABLE_MEMO.clear()
-    g = torch.Generator().manual_seed(6)
-    topk, block_table, seq_lens = _decode_table_case(g, 1, "cuda")
-    seq_lens.fill_(5 * 128)
+    TABLE_MEMO, topk, block_table, seq_lens = _gpu_table_case(6, 1)
     want = mm3lab.build_sparse_block_table_decode(topk, block_table, seq_lens)
     out = (torch.empty_like(want[0]), torch.empty_like(want[1]))
     mm3lab.build_sparse_block_table_decode(topk, block_table, seq_lens, out=out)  # recorded
     (entry,) = [e for e in TABLE_MEMO._entries().values() if e.info[1] is not None]
     for what in ("seq_len", "topk", "entry", None):
-        t, bt, sl = topk.clone(), block_table.clone(), seq_lens.clone()
-        if what == "seq_len":
-            sl[0] = 10**6
-        elif what == "topk":
-            t[0, 1, 0] = 5
-        elif what == "entry":
-            bt[1, 4] = 2**29
+        t, bt, sl = _spoiled(topk, block_table, seq_lens, what, (0, 10**6), (0, 1, 0), (1, 4))
         poisoned = (torch.full_like(want[0], -7), torch.full_like(want[1], 3))
         for i in range(2):
             out[i].copy_(poisoned[i])

@@ -15,31 +15,9 @@ from ..constants import PAGE_SIZE, SPARSE_BLOCK_SIZE
 def kv_row_store(
     n,  # the token (int64)
     slot,  # its page-128 slot (int64 scalar), negative = padding
-    key_ptr,  # [N, H, D]
-    value_ptr,  # [N, H, D]
-    k_cache_ptr,  # [pages, 16, H, D] page-16 K view
-    v_cache_ptr,  # [pages(-8), 16, H, D] page-16 V view
-    capacity,  # slots the cache holds: num_blocks * 128
-    stride_kn,
-    stride_kh,
-    stride_kd,
-    stride_vn,
-    stride_vh,
-    stride_vd,
-    stride_kcp,
-    stride_kcr,
-    stride_kch,  # k_cache strides (page, row, head); head dim contiguous
-    stride_vcp,
-    stride_vcr,
-    stride_vch,
-    ks_ptr,
-    vs_ptr,  # FP8: [pages, 16, H] float32 scale views (QUANT only)
-    stride_ksp,
-    stride_ksr,
-    stride_ksh,
-    stride_vsp,
-    stride_vsr,
-    stride_vsh,
+    src,  # (key_ptr, value_ptr [N, H, D], their strides: kn, kh, kd, vn, vh, vd)
+    dst,  # (k_cache_ptr, v_cache_ptr page-16 views, capacity in slots, their strides: kp, kr, kh, vp, vr, vh)
+    scales,  # QUANT: (ks_ptr, vs_ptr [pages, 16, H] float32 scale views, their strides: kp, kr, kh, vp, vr, vh)
     QUANT: tl.constexpr,
     INTERPRETED: tl.constexpr,
     H: tl.constexpr,
@@ -52,6 +30,9 @@ def kv_row_store(
 ):
     """Write token ``n``'s K/V at ``slot`` of page-16 views (a negative slot or one past ``capacity``
     writes nothing; ``QUANT``: an FP8 cache and its per-(token, head) scales)."""
+    key_ptr, value_ptr, stride_kn, stride_kh, stride_kd, stride_vn, stride_vh, stride_vd = src
+    k_cache_ptr, v_cache_ptr, capacity, stride_kcp, stride_kcr, stride_kch, stride_vcp, stride_vcr, stride_vch = dst
+    ks_ptr, vs_ptr, stride_ksp, stride_ksr, stride_ksh, stride_vsp, stride_vsr, stride_vsh = scales
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     # The slot broadcast to the [BLOCK_H, BLOCK_D] tile, so every mask term is a
@@ -127,10 +108,12 @@ def _write_kv_page16(
 ):
     n = tl.program_id(0).to(tl.int64)
     kv_row_store(
-        n, tl.load(slot_ptr + n * stride_s).to(tl.int64), key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, capacity,
-        stride_kn, stride_kh, stride_kd, stride_vn, stride_vh, stride_vd, stride_kcp, stride_kcr, stride_kch,
-        stride_vcp, stride_vcr, stride_vch, ks_ptr, vs_ptr, stride_ksp, stride_ksr, stride_ksh, stride_vsp, stride_vsr,
-        stride_vsh, QUANT, INTERPRETED, H, D, BLOCK_H, BLOCK_D, BLOCK_PAGE_STRIDE, SPARSE_BLOCK, PAGE,
+        n,
+        tl.load(slot_ptr + n * stride_s).to(tl.int64),
+        (key_ptr, value_ptr, stride_kn, stride_kh, stride_kd, stride_vn, stride_vh, stride_vd),
+        (k_cache_ptr, v_cache_ptr, capacity, stride_kcp, stride_kcr, stride_kch, stride_vcp, stride_vcr, stride_vch),
+        (ks_ptr, vs_ptr, stride_ksp, stride_ksr, stride_ksh, stride_vsp, stride_vsr, stride_vsh),
+        QUANT, INTERPRETED, H, D, BLOCK_H, BLOCK_D, BLOCK_PAGE_STRIDE, SPARSE_BLOCK, PAGE,
     )  # fmt: skip
 
 

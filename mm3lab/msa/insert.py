@@ -23,7 +23,7 @@ from .._grid import next_power_of_2
 from ..constants import PAGE_SIZE, SPARSE_BLOCK_SIZE
 from ..index_cache.kernel import index_rows_store
 from ..layout.kernel import kv_row_store
-from ..rows import row_slots_store
+from ..rows import row_launch_args, row_slots_store
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def _step_insert(
     row = n + tl.arange(0, 1)  # the row as a one-lane vector, as the row and index device functions take rows
     ok = row >= 0  # (every lane: the grid is the rows)
     slot = row_slots_store(
-        row, ok, seq_lens_ptr, bt_ptr, stride_bb, stride_bm, req_ptr, stride_r, pos_ptr, stride_p, slot_ptr,
+        row, ok, (seq_lens_ptr, req_ptr, stride_r, pos_ptr, stride_p), (bt_ptr, stride_bb, stride_bm), slot_ptr,
         B, M, DQL, PREFILL, SPARSE_BLOCK,
     )  # fmt: skip
     index_rows_store(
@@ -100,10 +100,12 @@ def _step_insert(
         tl.arange(0, BLOCK_DI), Di, index_capacity, iscale_ptr, stride_isb, INTERPRETED, INDEX_QUANT, SPARSE_BLOCK,
     )  # fmt: skip
     kv_row_store(
-        n, tl.max(slot, 0), key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, kv_capacity,
-        stride_kn, stride_kh, stride_kd, stride_vn, stride_vh, stride_vd, stride_kcp, stride_kcr, stride_kch,
-        stride_vcp, stride_vcr, stride_vch, ks_ptr, vs_ptr, stride_ksp, stride_ksr, stride_ksh, stride_vsp, stride_vsr,
-        stride_vsh, KV_QUANT, INTERPRETED, H, D, BLOCK_H, BLOCK_D, BLOCK_PAGE_STRIDE, SPARSE_BLOCK, PAGE,
+        n,
+        tl.max(slot, 0),
+        (key_ptr, value_ptr, stride_kn, stride_kh, stride_kd, stride_vn, stride_vh, stride_vd),
+        (k_cache_ptr, v_cache_ptr, kv_capacity, stride_kcp, stride_kcr, stride_kch, stride_vcp, stride_vcr, stride_vch),
+        (ks_ptr, vs_ptr, stride_ksp, stride_ksr, stride_ksh, stride_vsp, stride_vsr, stride_vsh),
+        KV_QUANT, INTERPRETED, H, D, BLOCK_H, BLOCK_D, BLOCK_PAGE_STRIDE, SPARSE_BLOCK, PAGE,
     )  # fmt: skip
 
 
@@ -144,24 +146,13 @@ def step_insert_kernel(
         )  # fmt: skip
         return
     prefill = seq_lens is None
-    b, m = block_table.shape
     _, h, d = key.shape
     di = index_k.shape[1]
     iq, kq = index_scale is not None, k_scale is not None
     iscale = index_scale if iq else slots
     ks, vs = (k_scale, v_scale) if kq else (slots.view(1, 1, -1), slots.view(1, 1, -1))
     _step_insert[(n,)](
-        req if prefill else seq_lens,
-        block_table,
-        *block_table.stride(),
-        req,
-        req.stride(0),
-        pos,
-        pos.stride(0),
-        slots,
-        b,
-        m,
-        decode_query_len,
+        *row_launch_args(block_table, req, pos, slots, seq_lens, decode_query_len),
         index_k,
         *index_k.stride(),
         index_cache,
