@@ -128,6 +128,16 @@ DEFAULT_BUDGET_S = 480.0
 """The default run's time budget on a GPU (every suite; a suite with its own cap keeps it)."""
 
 
+def _cells(specs) -> tuple | None:
+    """``--cells`` as ``((batch, context), ...)``; ``None`` where not given."""
+    if not specs:
+        return None
+    try:
+        return tuple(tuple(int(v) for v in spec.lower().split("x", 1)) for spec in specs)
+    except ValueError:
+        raise SystemExit(f"--cells: expected BATCHxCONTEXT values such as 1x8192, got {' '.join(specs)}") from None
+
+
 def _suite_fn(name: str):
     fn = suites.SUITES[name]
     return getattr(suites, fn) if isinstance(fn, str) else fn
@@ -163,6 +173,13 @@ def main(argv=None) -> int:
         default=None,
         choices=("triton", "interpret", "torch"),
         help="mm3lab backend for the run (dry run default: torch)",
+    )
+    parser.add_argument(
+        "--cells",
+        nargs="+",
+        metavar="BxC",
+        default=None,
+        help="the fp8 grid's (batch, context) cells, e.g. 1x8192 1x32768 (default: its own list, goals first)",
     )
     parser.add_argument("--calls", type=int, default=None, help="calls per sample (default 20; dry run 2)")
     parser.add_argument("--samples", type=int, default=None, help="samples per measurement (default 10; dry run 2)")
@@ -214,6 +231,7 @@ def main(argv=None) -> int:
             gpu=gpu,
             copy_TBps=None,
             quick=args.quick,
+            cells=_cells(args.cells),
             calls=args.calls or 20,
             samples=args.samples or 10,
             shapes=suites.model_shapes(args.quick),

@@ -246,6 +246,8 @@ class Context:
     """The suite now running: written into every record (``suite``), so that runs of some suites merge."""
     deadline: float | None = None
     """``time.time()`` past which the running suite starts no new shape (``out_of_time``)."""
+    cells: tuple | None = None
+    """``(batch, context)`` cells the ``fp8`` grid runs instead of its own list (``--cells``)."""
 
     @property
     def cuda(self) -> bool:

@@ -324,7 +324,7 @@ def run_fp8_grid(ctx: Context) -> None:
     if ctx.dry_run or not ctx.cuda:
         cells, q_lens = [(2, 300)], (1, 2)
     else:
-        cells, q_lens = grid_cells(ctx.quick), GRID_Q_LENS
+        cells, q_lens = list(ctx.cells or grid_cells(ctx.quick)), GRID_Q_LENS
     started = time.time()
     for i, (batch, context) in enumerate(cells):
         if time.time() - started > TIME_CAP_S or ctx.out_of_time(f"fp8 grid b{batch} c{context}"):
