@@ -430,7 +430,9 @@ def index_scores_kernel(
     """Launch the scoring kernel into ``out [H, N, M]`` float32 (arguments already validated).
 
     ``block_q`` (rows per tile) and ``blocks_per_program`` (blocks per chunk) override the
-    host-side heuristic; tests use them to reach every code path with small shapes.
+    host-side heuristic; tests use them to reach every code path with small shapes. The heuristic
+    gives every SM programs; where the blocks are few it goes down to one block a program, about
+    two programs an SM (a short context at batch 1: the launch's time is then one program's path).
     ``tok_m`` computes the dots as tokens x lanes (default: for FP8 keys, whose ``tl.dot`` then
     runs on Hopper's FP8 warp-group MMA instead of upcasting to fp16) rather than lanes x tokens.
     ``num_stages``: key tiles in flight in a compiled decode loop (default
@@ -730,7 +732,8 @@ def topk_kernel(
     2 = prefill rows (``req`` = query_req_id, ``pos`` = query_abs_pos). With
     ``block_table`` given, also writes ``sparse_bt`` / ``sparse_ctx``. Rows wider than
     ``max_register_row`` (a power of 2) are read in chunks of that width each round.
-    ``rows_per_program`` overrides the host-side heuristic (a power of 2). ``algorithm`` picks
+    ``rows_per_program`` overrides the host-side heuristic (a power of 2; one row a program where
+    the table is emitted, since a program writes its rows' tables one after another). ``algorithm`` picks
     how rows that fit in registers are selected: ``"bitonic"`` (``tl.topk``, the default when
     compiled) or ``"rounds"`` (one max-reduction per pick, the default in the interpreter, which
     runs it several times faster); both give the same answer.

@@ -3,8 +3,8 @@
 A step starts by placing its new tokens: each row's request and position (the row rule,
 :mod:`mm3lab.rows`), its page-128 slot, its index key in the index cache and its K/V in the
 page-16 views (SPEC 2, steps 0-1). Three launches did that, each of tiny programs:
-:func:`mm3lab.rows.rows_and_slots`, the index-cache insert and the KV write. At batch 1 they
-took 4.6 us of GPU time of a 25 us step, and three launches of host time in an eager one.
+:func:`mm3lab.rows.rows_and_slots`, the index-cache insert and the KV write. At batch 1 each
+costs about as much as its launch, and an eager step pays the host time of all three.
 :func:`step_insert_kernel` runs one program per row through the same device functions
 (:func:`mm3lab.rows.row_slots_store`, :func:`mm3lab.index_cache.kernel.index_rows_store`,
 :func:`mm3lab.layout.kernel.kv_row_store`), so what it writes (``req``, ``pos``, ``slots``,
