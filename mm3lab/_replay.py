@@ -5,7 +5,7 @@ Each ``kernel[grid](...)`` launch costs host time before the GPU sees it: Triton
 the arguments, works out their specialization (is a pointer 16-byte aligned, is an
 integer 1 or a multiple of 16), looks the compiled kernel up and only then calls the
 launcher. On an H200 host that is 17 us for a kernel of one argument and about 1 us more
-per tensor argument; a planned MSA step is six launches of 20 to 60 arguments, so binding
+per tensor argument; a planned MSA step is four or five launches of 20 to 60 arguments, so binding
 costs more than the step's kernels at small batch.
 
 A plan's launches are the same every step: the same kernels, grids, buffers and caches,

@@ -354,11 +354,8 @@ class _MSAPlan:
         if self._prefill:
             req, pos, rows = inputs["query_req_id"], inputs["query_abs_pos"], {}
         else:
-            req, pos, rows = (
-                self.req,
-                self.pos,
-                {"seq_lens": inputs["seq_lens"], "decode_query_len": self.decode_query_len},
-            )
+            req, pos = self.req, self.pos
+            rows = {"seq_lens": inputs["seq_lens"], "decode_query_len": self.decode_query_len}
         step_insert_kernel(
             inputs["block_table"],
             req,

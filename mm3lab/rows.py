@@ -8,7 +8,9 @@ outside ``[0, B)`` makes the row padded too. A live row's page-128 slot is
 
 * :func:`decode_rows`: the rule on the host (PyTorch); :func:`decode_query_rows` checks
   its arguments and returns the int32 rows the prefill entry points take;
-* :func:`row_request_position`: the same rule inside a Triton kernel;
+* :func:`row_request_position`: the same rule inside a Triton kernel, and :func:`row_slots_store`
+  with the slots too (the rows kernel below and the MSA step's fused insert,
+  :mod:`mm3lab.msa.insert`, both run it; :func:`row_launch_args` gives their leading arguments);
 * :func:`row_slots`: the slots of rows on the host;
 * :func:`rows_and_slots`: rows and slots of one MSA step in a single launch, into
   caller-owned buffers (nothing allocated, so a CUDA graph can capture it); the values of

@@ -3,8 +3,9 @@
 Rows, slots, both caches and their FP8 scales are compared bit for bit with
 ``rows_and_slots`` + the index-cache insert + the KV write, over decode and prefill rows,
 padded rows (a negative position, a request outside the batch), rows past the block table,
-slots past a cache, both layouts and bf16-free dtypes (the interpreter's bf16 arithmetic is
-inexact; FP8 quantizes in float32), on the CPU interpreter and, where present, the GPU.
+slots past a cache, both layouts, float32 / float16 / FP8 caches (FP8 quantizes in float32:
+the interpreter's bf16 arithmetic is inexact) and bf16 copied as it is, on the CPU
+interpreter and, where present, the GPU.
 """
 
 from __future__ import annotations

@@ -21,19 +21,19 @@ FP8_MAX = tl.constexpr(_FP8_MAX_VALUE)
 
 @triton.jit
 def index_rows_store(
-    index_k_ptr,
+    index_k_ptr,  # [N, Di] any strides
     stride_kn,
     stride_kd,
-    cache_ptr,
+    cache_ptr,  # [num_blocks, 128, Di], head dim contiguous
     stride_cb,
     stride_ct,
-    rows,
-    in_rows,
-    slot,
-    dims,
+    rows,  # [R] the rows to copy
+    in_rows,  # [R] which of them exist
+    slot,  # [R] their int64 slots, negative = padding
+    dims,  # [BLOCK_D] the dims to copy
     Di,
-    capacity,
-    scale_ptr,
+    capacity,  # num_blocks * 128
+    scale_ptr,  # [num_blocks, 128] float32 per-token scales (QUANT only)
     stride_sb,
     INTERPRETED: tl.constexpr,
     QUANT: tl.constexpr,
