@@ -132,10 +132,13 @@ def _cells(specs) -> tuple | None:
     """``--cells`` as ``((batch, context), ...)``; ``None`` where not given."""
     if not specs:
         return None
-    try:
-        return tuple(tuple(int(v) for v in spec.lower().split("x", 1)) for spec in specs)
-    except ValueError:
-        raise SystemExit(f"--cells: expected BATCHxCONTEXT values such as 1x8192, got {' '.join(specs)}") from None
+    cells = []
+    for spec in specs:
+        parts = spec.lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise SystemExit(f"--cells: expected BATCHxCONTEXT values such as 1x8192, got {spec!r}")
+        cells.append((int(parts[0]), int(parts[1])))
+    return tuple(cells)
 
 
 def _suite_fn(name: str):

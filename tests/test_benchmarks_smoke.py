@@ -199,6 +199,14 @@ def test_goal_check():
     }
 
 
+def test_cells_pick_the_fp8_grids_batch_and_context():
+    assert cli._cells(["1x8192", "64X131072"]) == ((1, 8192), (64, 131072))
+    assert cli._cells(None) is None
+    for bad in ("1-8192", "8192", "1x2x3", "0x8192"):
+        with pytest.raises(SystemExit, match="BATCHxCONTEXT"):
+            cli._cells([bad])
+
+
 def test_slow_functions_get_fewer_calls_per_sample():
     import time
 
