@@ -694,15 +694,13 @@ def any_bad(*segments: Segment) -> bool:
 def replay_checked(recording, inputs: dict, device: torch.device, stream, fused: Fused | None) -> bool:
     """Replay ``recording`` (:meth:`mm3lab._replay.Recording.replay`) whose launch runs the call's value
     checks itself where ``fused`` (:func:`fused_flags`): whether that launch flagged a value."""
-    if fused is None:
-        recording.replay(inputs, device, stream)
-        return False
     try:
         recording.replay(inputs, device, stream)
     except BaseException:
-        settle(device, sync=True)
+        if fused is not None:
+            settle(device, sync=True)
         raise
-    return any(read_fused(device))
+    return fused is not None and any(read_fused(device))
 
 
 def record_checked(launch, inputs: dict, device: torch.device, fused: Fused | None):
