@@ -162,6 +162,11 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA compute capability of a GPU ``device`` (cached)."""
+    return _capability(_index(device))
+
+
 def fp8_unsupported(*tensors: torch.Tensor) -> str | None:
     """``"fp8-unsupported-gpu"`` when one of ``tensors`` is a float8_e4m3fn CUDA tensor on a GPU below
     :data:`FP8_CAPABILITY`, else None."""

@@ -43,7 +43,7 @@ from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import create_function_from_signature
 
 import mm3lab
-from mm3lab import _valcheck
+from mm3lab import _pdl, _valcheck
 
 SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 """Shared memory one program may use (bytes, the opt-in limit) on each architecture: sm_80 A100; sm_86 RTX 30xx,
@@ -301,6 +301,8 @@ def main() -> int:
     _backend = make_backend(TARGET)
     dtypes = [d for d in args.dtypes if d != "fp8" or args.arch >= 89]  # below 8.9: FP8 takes the PyTorch path
     offline.install(_compile_launch)
+    if args.arch * 10 >= _pdl.CAPABILITY[0] * 100 + _pdl.CAPABILITY[1] * 10:
+        _pdl.enabled = lambda device: True  # the GPU launches these kernels with PDL: compile that variant
     if args.self_test:
         return self_test()
     start = time.perf_counter()

@@ -264,6 +264,34 @@ def test_split_over_pages_and_merge(device, num_splits, block_n):
     attention_every_path(case, num_splits=num_splits, block_n=block_n)
 
 
+@pytest.mark.parametrize("num_splits,block_n", [(16, 32), (4, 128), (2, 32)])
+def test_page_ids_past_ctx_are_never_attended(device, num_splits, block_n):
+    """Table entries past a row's ctx that name NaN pages inside the cache: the output ignores them,
+    whether a program reads its step's page ids before the ctx (one step a split) or after."""
+    hkv, d, width = 2, 32, 32
+    cache = mm3lab.allocate_kv_cache(8, hkv, d, "dense", device=device, fill=float("nan"))
+    g = torch.Generator().manual_seed(11)
+    live_pages = torch.arange(0, 16)  # pages 0 .. 15 hold numbers; 16 .. 63 stay NaN
+    for view in (cache.k_cache, cache.v_cache):
+        view[live_pages] = torch.randn(16, PAGE_SIZE, hkv, d, generator=g).to(device)
+    n = 3
+    bt = torch.randint(0, 16, (hkv, n, width), generator=g, dtype=torch.int32)
+    ctx = torch.tensor([[37, 0, 300], [512, 129, 16]], dtype=torch.int32)
+    for h in range(hkv):
+        for r in range(n):
+            used = -(-int(ctx[h, r]) // PAGE_SIZE)
+            bt[h, r, used:] = torch.randint(16, 64, (width - used,), generator=g)  # NaN pages past ctx
+    q = torch.randn(n, hkv * 4, d, generator=g).to(device)
+    bt, ctx = bt.to(device), ctx.to(device)
+    args = (q, cache.k_cache, cache.v_cache, bt, ctx)
+    want, want_lse = reference.sparse_attention(*args, return_lse=True)
+    out, lse = poison(torch.empty_like(q)), poison(torch.empty(n, hkv * 4, dtype=torch.float32, device=device))
+    attn_kernel.sparse_attention_kernel(*args, d**-0.5, out, lse, num_splits=num_splits, block_n=block_n)
+    assert not torch.isnan(out).any()
+    assert_close(out, want, atol=2e-5, rtol=2e-5)
+    assert_lse_close(lse, want_lse, 1e-4, 2e-5)
+
+
 def test_ctx_zero_gives_zeros(device):
     cache = mm3lab.allocate_kv_cache(2, 2, 32, "dense", device=device, fill=float("nan"))
     q = torch.randn(3, 4, 32, device=device)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import backend
+from .. import _pdl, backend
 from .._fit import fitting
 from .._grid import next_power_of_2
 from .._valcheck import signal_done
@@ -93,7 +93,35 @@ def _attend_step(
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    """One step of the online softmax over ``BLOCK_N`` tokens (``BLOCK_N / 16`` whole pages).
+    """One step of the online softmax over ``BLOCK_N`` tokens (``BLOCK_N / 16`` whole pages)."""
+    bt_ptr, stride_bw = bt_row
+    tok = start + tl.arange(0, BLOCK_N)
+    in_ctx = tok < tok_hi
+    page = tl.load(bt_ptr + (tok // PAGE) * stride_bw, mask=in_ctx, other=0).to(tl.int64)
+    ok = in_ctx & (page >= 0) & (page < cache[2])  # a page outside the cache is never read
+    return _attend_pages(
+        q, cache, scales, page, ok, ok, tok % PAGE, qk_scale, state, D, D_PAD, DOT_PRECISION, FP8, False
+    )
+
+
+@triton.jit
+def _attend_pages(
+    q,
+    cache,
+    scales,  # as in _attend_step
+    page,  # [BLOCK_N] int64 page id of each token of the step
+    live,  # [BLOCK_N] the tokens whose K / V rows are read: their page is inside the cache
+    ok,  # [BLOCK_N] the tokens attended (a subset of live)
+    row,  # [BLOCK_N] each token's row in its page
+    qk_scale,
+    state,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
+    ZERO_DEAD: tl.constexpr,  # live may exceed ok: zero the values read for tokens not attended
+):
+    """The step of :func:`_attend_step` on page ids already loaded.
 
     FP8 K/V: the e4m3 keys are widened to q's dtype (exact) and the K scale multiplies each
     score column in float32; the values are dequantized (times their scale) in float32, then
@@ -101,31 +129,38 @@ def _attend_step(
     """
     k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr = cache
     ks_head, vs_head, stride_ksp, stride_ksr, stride_vsp, stride_vsr = scales
-    bt_ptr, stride_bw = bt_row
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    tok = start + tl.arange(0, BLOCK_N)
-    in_ctx = tok < tok_hi
-    page = tl.load(bt_ptr + (tok // PAGE) * stride_bw, mask=in_ctx, other=0).to(tl.int64)
-    ok = in_ctx & (page >= 0) & (page < num_pages)  # a page outside the cache is never read
-    row = (tok % PAGE).to(tl.int64)
-    kv_mask = ok[:, None] & d_ok[None, :]
+    row = row.to(tl.int64)
+    kv_mask = live[:, None] & d_ok[None, :]
     k = tl.load(k_head + (page * stride_kp + row * stride_kr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_head + (page * stride_vp + row * stride_vr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if FP8:
         k = k.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
     if FP8:
-        k_sc = tl.load(ks_head + page * stride_ksp + row * stride_ksr, mask=ok, other=0.0)
+        k_sc = tl.load(ks_head + page * stride_ksp + row * stride_ksr, mask=live, other=0.0)
         scores = scores * k_sc[None, :]
     scores = tl.where(ok[None, :], scores, float("-inf"))
     m_i, l_i, acc = state
     p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
-    v = tl.load(v_head + (page * stride_vp + row * stride_vr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if FP8:
-        v_sc = tl.load(vs_head + page * stride_vsp + row * stride_vsr, mask=ok, other=0.0)
+        v_sc = tl.load(vs_head + page * stride_vsp + row * stride_vsr, mask=live, other=0.0)
         v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
+    if ZERO_DEAD:  # (a row read past the context may hold anything, NaN too: p is 0 there, but 0 * NaN is not)
+        v = tl.where(ok[:, None], v, tl.zeros_like(v))
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _empty_state(M: tl.constexpr, D_PAD: tl.constexpr):
+    """The online-softmax state before any token: running max ``-inf``, sum 0, output 0 (float32)."""
+    return (
+        tl.full([M], float("-inf"), dtype=tl.float32),
+        tl.zeros([M], dtype=tl.float32),
+        tl.zeros([M, D_PAD], dtype=tl.float32),
+    )
 
 
 @triton.jit
@@ -147,11 +182,7 @@ def _attend_row(
     """The online-softmax state of ``q`` over a range of one row's page list, ``BLOCK_N`` tokens a step."""
     M: tl.constexpr = q.shape[0]
     D_PAD: tl.constexpr = q.shape[1]
-    state = (
-        tl.full([M], float("-inf"), dtype=tl.float32),
-        tl.zeros([M], dtype=tl.float32),
-        tl.zeros([M, D_PAD], dtype=tl.float32),
-    )
+    state = _empty_state(M, D_PAD)
     # Both loops run the same steps: the interpreter cannot run range() with runtime bounds (a while
     # loop it can), and the compiled range() loop is the one the compiler pipelines.
     if INTERPRETED:
@@ -272,11 +303,22 @@ def _sparse_attention_fwd(
     INTERPRETED: tl.constexpr,
     FP8: tl.constexpr,
     CHECK: tl.constexpr,
+    PDL: tl.constexpr,
+    ONE_STEP: tl.constexpr,  # pages_per_split * PAGE == BLOCK_N: a program attends one step
 ):
+    _pdl.wait_previous(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
 
+    bt_row = (bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn, stride_bw)
+    if ONE_STEP:
+        # The step's page ids are loaded before the ctx arrives (every id in the table, read only where
+        # it is inside the cache), so that the K / V loads need not wait for two loads in a row.
+        tok = s * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_table = tok < width * PAGE
+        page = tl.load(bt_row[0] + (tok // PAGE) * stride_bw, mask=in_table, other=-1).to(tl.int64)
+        live = in_table & (page >= 0) & (page < num_pages)
     raw_ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn)
     ctx = _clamp_ctx(raw_ctx, width, PAGE)
     tok_lo = s * pages_per_split * PAGE
@@ -293,7 +335,6 @@ def _sparse_attention_fwd(
         other=0.0,
     )
 
-    bt_row = (bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn, stride_bw)
     if CHECK:
         _check_row(
             flags_ptr,
@@ -317,9 +358,16 @@ def _sparse_attention_fwd(
     ks_head = ks_ptr + h.to(tl.int64) * stride_ksh
     vs_head = vs_ptr + h.to(tl.int64) * stride_vsh
     scales = (ks_head, vs_head, stride_ksp, stride_ksr, stride_vsp, stride_vsr)
-    state = _attend_row(
-        q, cache, scales, bt_row, tok_lo, tok_hi, qk_scale, D, BLOCK_N, PAGE, DOT_PRECISION, FP8, INTERPRETED
-    )
+    if ONE_STEP:
+        ok = live & (tok < tok_hi)
+        state = _attend_pages(
+            q, cache, scales, page, live, ok, tok % PAGE, qk_scale, _empty_state(GROUP_PAD, D_PAD), D, D_PAD,
+            DOT_PRECISION, FP8, True,
+        )  # fmt: skip
+    else:
+        state = _attend_row(
+            q, cache, scales, bt_row, tok_lo, tok_hi, qk_scale, D, BLOCK_N, PAGE, DOT_PRECISION, FP8, INTERPRETED
+        )
     out, lse = _finish(state)
     o_off = n.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
     l_off = n.to(tl.int64) * stride_ln + heads * stride_lh
@@ -357,7 +405,9 @@ def _merge_splits(
     D_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.wait_previous(PDL)
     n = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
@@ -479,6 +529,7 @@ def sparse_attention_kernel(
         INTERPRETED=backend.INTERPRETER,
         FP8=k_scale is not None,
         num_warps=4,
+        **_pdl.options(q.device),
     )
     ks, vs = (k_scale, v_scale) if k_scale is not None else (sparse_bt, sparse_bt)  # never read without FP8
     if check is not None:
@@ -486,7 +537,7 @@ def sparse_attention_kernel(
     else:  # (never read without CHECK)
         flags = count = done = sparse_bt
         page_mod = page_mod_limit = 1
-    common.update(CHECK=check is not None)
+    common.update(CHECK=check is not None, ONE_STEP=pages_per_split == pages_per_step)
     checks = (flags, count, done, page_mod, page_mod_limit)
     args = (
         readable_pages(k_cache, v_cache),
@@ -576,6 +627,7 @@ def sparse_attention_kernel(
         S_PAD=max(2, next_power_of_2(splits)),
         WRITE_LSE=lse is not None,
         num_warps=4,
+        **_pdl.options(q.device),
     )
 
 

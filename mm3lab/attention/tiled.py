@@ -47,7 +47,7 @@ from .._fit import fitting
 from .._grid import next_power_of_2
 from ..constants import PAGE_SIZE
 from .checks import readable_pages
-from .kernel import LOG2E, _attend_row, _clamp_ctx, _finish, _online_softmax
+from .kernel import LOG2E, _attend_row, _clamp_ctx, _empty_state, _finish, _online_softmax
 
 TILE_QUERY_VECTORS, TILE_PAGES, TILE_WARPS, TILE_STAGES = 64, 4, 4, 2
 """The tile's default shape: query vectors per program, union pages per step, warps, pipeline stages
@@ -422,11 +422,7 @@ def _walk_union(
     ).to(tl.int32)
     tail = (tl.where(has_tail, tail_page, -1), tail_len)
 
-    state = (
-        tl.full([M], float("-inf"), dtype=tl.float32),
-        tl.zeros([M], dtype=tl.float32),
-        tl.zeros([M, D_PAD], dtype=tl.float32),
-    )
+    state = _empty_state(M, D_PAD)
     if INTERPRETED:  # the same steps as the range() loop below (see kernel._attend_row)
         start = 0
         while start < count:

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import backend
+from .. import _pdl, backend
 from .._fit import fitting
 from .._fp8_triton import round_to_e4m3
 from .._grid import cdiv, next_power_of_2
@@ -234,7 +234,9 @@ def _index_scores(
     EVEN_D: tl.constexpr,
     TOK_M: tl.constexpr,
     PAIR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.wait_previous(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     t = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -539,6 +541,7 @@ def index_scores_kernel(
         TOK_M=tok_m,
         PAIR=pair,
         num_warps=num_warps,
+        **_pdl.options(index_q.device),
     )
 
 
@@ -645,7 +648,9 @@ def _topk_rows(
     BLOCK_PAGE_STRIDE: tl.constexpr,
     SPARSE_BLOCK: tl.constexpr,
     PAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.wait_previous(PDL)
     ridx = tl.arange(0, BLOCK_R)
     row = tl.program_id(0).to(tl.int64) * BLOCK_R + ridx  # flattened h * N + n
     row_ok = row < H * N
@@ -809,6 +814,7 @@ def topk_kernel(
         SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
         PAGES=PAGES_PER_SPARSE_BLOCK,
         num_warps=num_warps or (8 if tile >= 4096 and group == 1 else (4 if tile >= 1024 or emit else 2)),
+        **_pdl.options(scores.device),
     )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import backend
+from .. import _pdl, backend
 from .._grid import next_power_of_2
 from ..constants import PAGE_SIZE, SPARSE_BLOCK_SIZE
 from ..index_cache.kernel import index_rows_store
@@ -87,7 +87,9 @@ def _step_insert(
     BLOCK_PAGE_STRIDE: tl.constexpr,
     SPARSE_BLOCK: tl.constexpr,
     PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.wait_previous(PDL)
     n = tl.program_id(0).to(tl.int64)
     row = n + tl.arange(0, 1)  # the row as a one-lane vector, as the row and index device functions take rows
     ok = row >= 0  # (every lane: the grid is the rows)
@@ -188,6 +190,7 @@ def step_insert_kernel(
         SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
         PAGE=PAGE_SIZE,
         num_warps=4,
+        **_pdl.options(key.device),
     )
 
 
