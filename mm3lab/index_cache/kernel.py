@@ -46,7 +46,7 @@ def index_rows_store(
     offset = tl.where(write, slot % SPARSE_BLOCK, 0)
     mask = write[:, None] & (dims[None, :] < Di)
     src = index_k_ptr + rows.to(tl.int64)[:, None] * stride_kn + dims[None, :] * stride_kd
-    keys = tl.load(src, mask=mask)
+    keys = tl.load(src, mask=in_rows[:, None] & (dims[None, :] < Di))  # (whatever the slot: no wait for it)
     dst = cache_ptr + block[:, None] * stride_cb + offset[:, None] * stride_ct + dims[None, :]
     if QUANT:  # SPEC section 9: scale = amax(|k|) / 448 (1 for a zero key), stored k / scale in e4m3
         kf = tl.where(mask, keys.to(tl.float32), 0.0)

@@ -44,9 +44,11 @@ def kv_row_store(
     off = safe % SPARSE_BLOCK
     page = block * BLOCK_PAGE_STRIDE + off // PAGE
     row = off % PAGE
-    mask = (heads < H) & (dims < D) & in_slot
-    k = tl.load(key_ptr + n * stride_kn + heads * stride_kh + dims * stride_kd, mask=mask)
-    v = tl.load(value_ptr + n * stride_vn + heads * stride_vh + dims * stride_vd, mask=mask)
+    # (the token's K/V are read whatever its slot, so that these loads need not wait for the slot's)
+    tile = (heads < H) & (dims < D)
+    mask = tile & in_slot
+    k = tl.load(key_ptr + n * stride_kn + heads * stride_kh + dims * stride_kd, mask=tile)
+    v = tl.load(value_ptr + n * stride_vn + heads * stride_vh + dims * stride_vd, mask=tile)
     if QUANT:  # SPEC section 9: one scale per (token, head), amax / 448 (1 for zeros), stored x / scale
         head_ok = (tl.arange(0, BLOCK_H) < H) & (tl.max(slot, 1) >= 0) & (tl.max(slot, 1) < capacity)
         page_h = tl.max(page, 1)
