@@ -224,11 +224,17 @@ def launch_compiled(kernel, grid: tuple[int, int, int], values, stream) -> None:
     kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *values)
 
 
-def hooks_idle() -> bool:
-    """No Triton launch hook is set (a profiler's hooks want Triton's own launch path)."""
+@functools.cache
+def _runtime_knobs():
+    """Triton's runtime settings object (its launch hooks live there; looked up once, read every call)."""
     from triton import knobs
 
-    runtime = knobs.runtime
+    return knobs.runtime
+
+
+def hooks_idle() -> bool:
+    """No Triton launch hook is set (a profiler's hooks want Triton's own launch path)."""
+    runtime = _runtime_knobs()
     return _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)
 
 
