@@ -134,8 +134,12 @@ def _attend_pages(
     row = row.to(tl.int64)
     kv_mask = live[:, None] & d_ok[None, :]
     k = tl.load(k_head + (page * stride_kp + row * stride_kr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_head + (page * stride_vp + row * stride_vr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    if FP8:  # (every load of the step is issued before the first dot waits on K)
+    # 16-bit and FP8 K/V: every load of the step is issued before the first dot waits on K. (Float32
+    # K and V tiles of 128 tokens together would not fit 99 KiB of shared memory: V after the dot.)
+    EARLY_V: tl.constexpr = k.dtype.primitive_bitwidth <= 16
+    if EARLY_V:
+        v = tl.load(v_head + (page * stride_vp + row * stride_vr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if FP8:
         k_sc = tl.load(ks_head + page * stride_ksp + row * stride_ksr, mask=live, other=0.0)
         v_sc = tl.load(vs_head + page * stride_vsp + row * stride_vsr, mask=live, other=0.0)
         k = k.to(q.dtype)
@@ -145,6 +149,8 @@ def _attend_pages(
     scores = tl.where(ok[None, :], scores, float("-inf"))
     m_i, l_i, acc = state
     p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
+    if not EARLY_V:
+        v = tl.load(v_head + (page * stride_vp + row * stride_vr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if FP8:
         v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
     if ZERO_DEAD:  # (a row read past the context may hold anything, NaN too: p is 0 there, but 0 * NaN is not)
