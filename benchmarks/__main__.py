@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import mm3lab
+from mm3lab import _pdl
 
 from . import suites
 from .common import Context, measure_copy_bandwidth, merge_payloads, results_path, write_results
@@ -263,7 +264,12 @@ def main(argv=None) -> int:
             "budget_s": budget,
             "complete": final,
             "runs": [
-                {"id": run_id, "suites": [n for n in names if n in seconds], "seconds": round(time.time() - started, 1)}
+                {
+                    "id": run_id,
+                    "suites": [n for n in names if n in seconds],
+                    "seconds": round(time.time() - started, 1),
+                    "pdl": _pdl.enabled(torch.device(ctx.device)),  # the step's kernels launched with PDL
+                }
             ],
         }
         return write_results(ctx, path=out, meta=meta, merge=not args.fresh, finalize=_check_goals)
