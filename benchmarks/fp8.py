@@ -12,7 +12,9 @@ per-token scales, FP8 KV with per-(token, head) scales, SPEC section 9), all thr
   indexer's share of copy bandwidth;
 * ``msa_decode_grid`` with ``shape.stage``: ``topk_block_table`` (the fused top-k +
   sparse block table), ``attention``, and ``step`` (the whole planned step: rows and
-  slots, both inserts, indexer, top-k + table, attention).
+  slots, both inserts, indexer, top-k + table, attention); on a GPU with programmatic
+  dependent launch (:mod:`mm3lab._pdl`), also ``step_no_pdl`` at batch <= 16, query
+  length 1: the same step with its launches in plain stream order.
 
 Every time is a CUDA-graph replay (``mode = "graph"``) of 20 calls rotating over buffer
 sets (one plan, block table and set of queries each, the caches sized to >= 256 MB) so
@@ -39,6 +41,7 @@ import time
 import torch
 
 import mm3lab
+from mm3lab import _pdl
 from mm3lab.constants import SPARSE_BLOCK_SIZE
 from mm3lab.fp8 import FP8_DTYPE, quantize
 
@@ -205,6 +208,13 @@ class DenseProblem:
         ]
 
 
+def _forget_recordings(plans) -> None:
+    """Make each plan launch through Triton on its next run, which records its launches again
+    (:mod:`mm3lab._replay`): a setting read at launch (PDL) then applies."""
+    for plan in plans:
+        plan._recording = None
+
+
 def _time(ctx: Context, fns) -> Timing | None:
     """Graph replay on the GPU, eager on the CPU (validation off: graph capture forbids syncs)."""
     with mm3lab.validation(False):
@@ -315,6 +325,21 @@ def _run_cell(ctx: Context, batch: int, context: int, q_lens) -> None:
                 p.indexer_bytes() + p.attention_bytes() + p.table_bytes(),
                 fallback,
             )
+            if ql == 1 and batch <= 16 and p.plans[0].uses_kernels and _pdl.enabled(torch.device(ctx.device)):
+                # the same step with every launch in stream order (no PDL): each plan records its launches anew
+                with _pdl.switched(False):
+                    _forget_recordings(p.plans)
+                    no_pdl = _time(ctx, p.step_fns())
+                _forget_recordings(p.plans)
+                _record(
+                    ctx,
+                    "msa_decode_grid",
+                    _shape(ctx, batch, context, ql, dtype, "step_no_pdl"),
+                    no_pdl,
+                    base,
+                    p.indexer_bytes() + p.attention_bytes() + p.table_bytes(),
+                    fallback,
+                )
             del p, outs
             _free(ctx)
 

@@ -23,6 +23,8 @@ to launch without PDL (the benchmarks compare both); results are the same bit fo
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -54,6 +56,17 @@ def options(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
 
 
+@contextlib.contextmanager
+def switched(on: bool):
+    """Context manager: :data:`ENABLED` set to ``on`` inside (launches already recorded keep theirs)."""
+    global ENABLED
+    previous, ENABLED = ENABLED, bool(on)
+    try:
+        yield
+    finally:
+        ENABLED = previous
+
+
 @triton.jit
 def wait_previous(PDL: tl.constexpr):
     """Where ``PDL``: wait for the previous kernel on the stream, then let the next one launch (see the module)."""
@@ -62,4 +75,4 @@ def wait_previous(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-__all__ = ["CAPABILITY", "ENABLED", "enabled", "options", "wait_previous"]
+__all__ = ["CAPABILITY", "ENABLED", "enabled", "options", "switched", "wait_previous"]

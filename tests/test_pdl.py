@@ -93,3 +93,11 @@ def test_pdl_kernels_are_compiled_with_the_attribute(monkeypatch):
     _step(layer, True, topk=2)
     compiled = [k for cache in _sparse_attention_fwd.device_caches.values() for k in cache[0].values()]
     assert any(k.metadata.launch_pdl for k in compiled)
+
+
+def test_switched_restores_the_setting_even_on_error():
+    before = _pdl.ENABLED
+    with pytest.raises(KeyError), _pdl.switched(not before):
+        assert _pdl.ENABLED is (not before)
+        raise KeyError
+    assert _pdl.ENABLED is before
