@@ -208,13 +208,6 @@ class DenseProblem:
         ]
 
 
-def _forget_recordings(plans) -> None:
-    """Make each plan launch through Triton on its next run, which records its launches again
-    (:mod:`mm3lab._replay`): a setting read at launch (PDL) then applies."""
-    for plan in plans:
-        plan._recording = None
-
-
 def _time(ctx: Context, fns) -> Timing | None:
     """Graph replay on the GPU, eager on the CPU (validation off: graph capture forbids syncs)."""
     with mm3lab.validation(False):
@@ -326,11 +319,10 @@ def _run_cell(ctx: Context, batch: int, context: int, q_lens) -> None:
                 fallback,
             )
             if ql == 1 and batch <= 16 and p.plans[0].uses_kernels and _pdl.enabled(torch.device(ctx.device)):
-                # the same step with every launch in stream order (no PDL): each plan records its launches anew
+                # the same step with every launch in stream order (no PDL): each plan records its launches
+                # anew, as a recording made with PDL is not replayed without it (mm3lab._replay)
                 with _pdl.switched(False):
-                    _forget_recordings(p.plans)
                     no_pdl = _time(ctx, p.step_fns())
-                _forget_recordings(p.plans)
                 _record(
                     ctx,
                     "msa_decode_grid",

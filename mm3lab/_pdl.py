@@ -18,7 +18,8 @@ scores, the top-k with the sparse block table, the per-row attention and its spl
 the one-shot entry points launch too. :func:`options` gives their launch keywords: the ``PDL``
 constexpr, which compiles the wait in, and Triton's ``launch_pdl``, which sets the attribute. They
 go together, so a kernel launched with the attribute always waits. Set :data:`ENABLED` to ``False``
-to launch without PDL (the benchmarks compare both); results are the same bit for bit.
+to launch without PDL (the benchmarks compare both; recorded launches follow the setting, since a
+recording made under the other one is recorded again); results are the same bit for bit.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def options(device: torch.device) -> dict:
 
 @contextlib.contextmanager
 def switched(on: bool):
-    """Context manager: :data:`ENABLED` set to ``on`` inside (launches already recorded keep theirs)."""
+    """Context manager: :data:`ENABLED` set to ``on`` inside (a recording of launches made under the other
+    setting is not replayed: those calls record again, :mod:`mm3lab._replay`)."""
     global ENABLED
     previous, ENABLED = ENABLED, bool(on)
     try:

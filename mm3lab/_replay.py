@@ -21,6 +21,8 @@ records anew (the normal launch path):
 * a launch argument is either an input itself, or does not touch an input's memory (a
   view of an input inside a launch would go stale: such a run is not recorded), and no
   tensor is passed as two inputs (``key`` and ``value`` one tensor: not recorded either);
+* programmatic dependent launch (:data:`mm3lab._pdl.ENABLED`) is set as when it was recorded
+  (a kernel's launch attribute is part of its recorded launch; the memo keys hold the setting too);
 * no Triton launch hook is set (profilers), and the Triton version is one whose launcher
   this module was verified on (:data:`VERIFIED_TRITON`); on others plans launch normally.
 
@@ -39,7 +41,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import backend
+from . import _pdl, backend
 
 ENABLED = True
 """Record and replay eager plan runs (where :func:`supported`); ``False``: always launch normally."""
@@ -97,6 +99,7 @@ class Recording:
     def __init__(self, inputs: dict, caches):
         self.inputs_meta = _inputs_meta(inputs)
         self.caches_meta = _caches_meta(caches)
+        self.pdl = _pdl.ENABLED  # (the setting its launches were made under)
         self._inputs = inputs
         self._spans = {name: _span(t) for name, t in inputs.items()}
         self.launches: list[_Launch] = []
@@ -138,7 +141,12 @@ class Recording:
         self.launches.append(_Launch(kernel, grid, values, tuple(subs)))
 
     def matches(self, inputs: dict, caches) -> bool:
-        return self.ok and _caches_meta(caches) == self.caches_meta and _inputs_meta(inputs) == self.inputs_meta
+        return (
+            self.ok
+            and self.pdl == _pdl.ENABLED
+            and _caches_meta(caches) == self.caches_meta
+            and _inputs_meta(inputs) == self.inputs_meta
+        )
 
     def release(self) -> None:
         """Drop the recording's references to the last run's inputs (they are put in place at each replay),
@@ -289,8 +297,9 @@ class Memo:
 
     The key (:meth:`key`) holds each per-call tensor's shape, strides, dtype, device and 16-byte
     alignment (what the checks read and what Triton specializes on), each cache's address too
-    (a cache is rarely new, and its address decides the layout checks), the scalar arguments and
-    the current stream (recordings keep scratch buffers, reused in stream order). It applies on the
+    (a cache is rarely new, and its address decides the layout checks), the scalar arguments,
+    the current stream (recordings keep scratch buffers, reused in stream order) and the PDL setting
+    (:data:`mm3lab._pdl.ENABLED`: it decides the launches). It applies on the
     ``triton`` backend only (the others launch no compiled kernels).
     """
 
@@ -316,7 +325,7 @@ class Memo:
         first = per_call[0]
         if not isinstance(first, torch.Tensor) or not first.is_cuda:
             return None
-        key = [current_stream(first.device)]
+        key = [current_stream(first.device), _pdl.ENABLED]
         try:
             for x in scalars:  # (by type too: True, 1 and 1.0 are equal keys, and not equally valid)
                 key.append((type(x), x))

@@ -101,3 +101,26 @@ def test_switched_restores_the_setting_even_on_error():
         assert _pdl.ENABLED is (not before)
         raise KeyError
     assert _pdl.ENABLED is before
+
+
+def test_a_recording_made_under_the_other_setting_is_not_replayed():
+    inputs, caches = {"q": torch.zeros(4, 8)}, (torch.zeros(2, 3),)
+    with _pdl.switched(True):
+        rec = _replay.Recording(inputs, caches)
+        assert rec.matches(inputs, caches)
+    with _pdl.switched(False):
+        assert not rec.matches(inputs, caches)  # (its launches carry the PDL attribute: recorded again)
+        assert _replay.Recording(inputs, caches).matches(inputs, caches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_memo_keys_hold_the_setting(monkeypatch):
+    monkeypatch.setattr(_replay, "supported", lambda: True)
+    monkeypatch.setattr(backend, "get_backend", lambda: "triton")
+    per_call, caches = (torch.zeros(4, 8, device="cuda"),), (torch.zeros(2, 3, device="cuda"),)
+    with _pdl.switched(True):
+        on = _replay.Memo.key(per_call, caches, (1.0,))
+    with _pdl.switched(False):
+        off = _replay.Memo.key(per_call, caches, (1.0,))
+    assert on is not None and off is not None and on != off
