@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import mm3lab
+from mm3lab import _replay
 from mm3lab.msa import recorded, synthetic_layer
 
 
@@ -186,3 +187,95 @@ def test_a_bad_argument_after_repeated_calls_gets_its_own_error(cpu_applies, bad
         args[bad] = args[bad].tolist()
     with pytest.raises(TypeError, match=bad):
         mm3lab.msa_decode(*args.values(), k, v, ic, layer.block_table, layer.seq_lens, **kwargs)
+
+
+class _Relaunching(_replay.Recording):
+    """A recording whose replay runs the shape's plan again with the call's tensors: the CPU has no compiled
+    launchers to record, and everything around the replay (which call replays, with which tensors) is the GPU's."""
+
+    def __init__(self, inputs):
+        super().__init__(inputs, ())
+        self._inputs = None  # (keeps none of the caller's tensors)
+        self.launches = [None]
+        self.seen = []
+
+    def replay(self, inputs, device, stream=None):
+        self.replays += 1
+        self.seen.append({name: t.data_ptr() for name, t in inputs.items()})
+        (shape,) = [s for s in recorded._local.shapes.values() if s.recording is self]
+        plan = shape.plan
+        plan.out = inputs["out"]
+        try:
+            plan._launch(inputs, tuple(inputs.get(name) for name in recorded._CACHES))
+        finally:
+            plan.out = None
+
+    def release(self):
+        pass
+
+
+@pytest.fixture
+def relaunching(cpu_applies, monkeypatch):
+    """The recorded path on CPU tensors with :class:`_Relaunching` recordings; ``lookups`` counts the shape lookups."""
+
+    def record(launch, inputs, caches):
+        launch()
+        return _Relaunching(inputs)
+
+    lookups = []
+    lookup = recorded.lookup
+    monkeypatch.setattr(recorded._replay, "record", record)
+    monkeypatch.setattr(recorded._replay, "current_stream", lambda device: 0)
+    monkeypatch.setattr(recorded, "lookup", lambda args: lookups.append(1) or lookup(args))
+    monkeypatch.setattr(recorded._local, "known", None, raising=False)
+    return lookups
+
+
+def _steps_both(layer, x, a, b, seq_lens, steps):
+    """``steps`` calls with the same tensors (``seq_lens`` advanced in place): recorded path on caches ``a``,
+    normal path on ``b``, equal every time."""
+    for step in range(steps):
+        got = _call(layer, x, a, seq_lens)
+        recorded.ENABLED = False
+        try:
+            want = _call(layer, x, b, seq_lens)
+        finally:
+            recorded.ENABLED = True
+        assert torch.equal(got, want), step
+        assert torch.equal(a[0], b[0]) and torch.equal(a[3], b[3]), step
+        seq_lens += layer.decode_query_len
+
+
+def test_a_known_call_replays_without_a_lookup(relaunching):
+    layer = _layer("cpu")
+    a, b = _caches(layer), _caches(layer)
+    x = _step_inputs(layer, 0)
+    seq_lens = layer.seq_lens.clone()
+    _steps_both(layer, x, a, b, seq_lens, 5)  # 1: normal path; 2: planned and recorded; 3 to 5: known
+    (shape,) = recorded._local.shapes.values()
+    rec = shape.recording
+    assert isinstance(rec, _Relaunching) and rec.replays == 3
+    assert len(relaunching) == 2  # (calls 1 and 2: first sight, then planned; calls 3 to 5 are known)
+    want = {"q": x[0], "key": x[1], "value": x[2], "index_q": x[3], "index_k": x[4], "seq_lens": seq_lens}
+    assert all(seen[name] == t.data_ptr() for seen in rec.seen for name, t in want.items())
+    assert all(seen["k_cache"] == a[1].data_ptr() and seen["index_cache"] == a[3].data_ptr() for seen in rec.seen)
+
+
+def test_a_known_call_looks_up_again_after_a_new_recording_or_a_dropped_shape(relaunching, monkeypatch):
+    layer = _layer("cpu")
+    a, b = _caches(layer), _caches(layer)
+    x = _step_inputs(layer, 0)
+    seq_lens = layer.seq_lens.clone()
+    _steps_both(layer, x, a, b, seq_lens, 3)
+    (shape,) = recorded._local.shapes.values()
+    old = shape.recording
+    shape.recording = _Relaunching({"q": x[0]})  # (as a call with other strides would have recorded)
+    shape.recording.inputs_meta = old.inputs_meta
+    _steps_both(layer, x, a, b, seq_lens, 2)
+    assert old.replays == 1 and shape.recording.replays == 2 and len(relaunching) == 3  # looked up once more
+    monkeypatch.setattr(recorded, "MAX_SHAPES", 1)
+    other = _layer("cpu", batch=3)
+    _call(other, _step_inputs(other, 0), _caches(other), other.seq_lens)  # a new shape pushes this one out
+    assert shape.plan is None and shape.recording is None
+    _steps_both(layer, x, a, b, seq_lens, 1)
+    assert len(relaunching) == 5 and len(recorded._local.shapes) == 1  # (the other shape's, then this one seen anew)

@@ -10,7 +10,11 @@ its shapes when it has seen those shapes before:
 * the first call of a shape takes the normal path and remembers the shape;
 * the second builds a plan for it (buffers for the intermediates) and records its launches;
 * later calls replay the recorded launches with the call's tensors put in place, which is
-  valid while every tensor has the recorded strides and alignment (else the call records again).
+  valid while every tensor has the recorded strides and alignment (else the call records again);
+* a call whose tensors have the addresses and metadata of one that replayed (a decode loop whose
+  allocator hands out the same buffers; the structural checks' key,
+  :class:`mm3lab._checks.PassedChecks`) replays at once (:func:`replay_known`), without the shape
+  lookup and the recording's comparison, which that key already answers.
 
 What a call returns is its own new ``out`` tensor: the plan's intermediates (slots, scores,
 top-k, sparse block table, log-sum-exp, split partials) are reused from call to call, in
@@ -31,7 +35,7 @@ import threading
 
 import torch
 
-from .. import _replay
+from .. import _pdl, _replay
 from ..attention import TILED_MIN_ROWS
 from ..block_table import MAX_KERNEL_TOPK
 from ..indexer import index_fallback
@@ -58,6 +62,14 @@ class _Shape:
 
     def __init__(self):
         self.plan, self.recording, self.usable = None, None, True
+
+    def drop(self) -> None:
+        """Forget the plan and its recording (a shape pushed out: its buffers go, its known calls miss)."""
+        self.plan, self.recording, self.usable = None, None, False
+
+
+KNOWN_CALLS = 16
+"""Calls known to match a shape's recording (:func:`replay_known`) kept per thread, least recently used dropped."""
 
 
 def _key(args) -> tuple | None:
@@ -87,9 +99,17 @@ def _shapes() -> collections.OrderedDict:
     return shapes
 
 
+def _known() -> collections.OrderedDict:
+    known = getattr(_local, "known", None)
+    if known is None:
+        known = _local.known = collections.OrderedDict()
+    return known
+
+
 def clear() -> None:
     """Drop this thread's recorded shapes and their plans' buffers (the next calls start afresh)."""
     _local.shapes = None
+    _local.known = None
 
 
 def applies(args) -> bool:
@@ -122,7 +142,7 @@ def lookup(args):
     if shape is None:  # first sight: the normal path, remembered
         shapes[key] = _Shape()
         while len(shapes) > MAX_SHAPES:
-            shapes.popitem(last=False)
+            shapes.popitem(last=False)[1].drop()
         return None
     shapes.move_to_end(key)
     if not shape.usable:
@@ -165,17 +185,29 @@ def _build(args):
     return plan
 
 
-def run(shape: _Shape, args) -> torch.Tensor:
-    """The step through ``shape``'s plan, into a new ``out``: replayed where the recording applies."""
+def _inputs(args, out) -> dict:
+    """The call's tensors by name, as the recording takes them (caches included: put in place at each
+    replay, so that the recording keeps none of them)."""
+    inputs = {name: getattr(args, name) for name in _TENSORS}
+    inputs["out"] = out
+    for name in _CACHES:
+        t = getattr(args, name)
+        if t is not None:
+            inputs[name] = t
+    return inputs
+
+
+def run(shape: _Shape, args, checked_key=None) -> torch.Tensor:
+    """The step through ``shape``'s plan, into a new ``out``: replayed where the recording applies.
+
+    ``checked_key``: the call's :class:`mm3lab._checks.PassedChecks` key, or ``None``. Where the call
+    replays or records, its key is kept (:func:`replay_known`): a later call of the same key matches
+    the same recording."""
     plan = shape.plan
     q = args.q
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    inputs = {name: getattr(args, name) for name in _TENSORS}
-    inputs["out"] = out
+    inputs = _inputs(args, out)
     caches = tuple(getattr(args, name) for name in _CACHES)
-    for name, t in zip(_CACHES, caches, strict=True):
-        if t is not None:
-            inputs[name] = t  # (put in place at each replay, so the recording keeps none of them)
     plan.out = out
     try:
         rec = shape.recording
@@ -185,9 +217,44 @@ def run(shape: _Shape, args) -> torch.Tensor:
             shape.recording = rec = _replay.record(lambda: plan._launch(inputs, caches), inputs, ())
         if rec is not None:
             rec.release()
+            if checked_key is not None:
+                known = _known()
+                key = (checked_key, _replay.current_stream(q.device), _pdl.ENABLED)
+                known[key] = (shape, rec)
+                known.move_to_end(key)
+                while len(known) > KNOWN_CALLS:
+                    known.popitem(last=False)
     finally:
         plan.out = None
     return out
 
 
-__all__ = ["ENABLED", "MAX_SHAPES", "applies", "clear", "lookup", "run"]
+def replay_known(checked_key, args) -> torch.Tensor | None:
+    """The step of a call known to match a recording, replayed into a new ``out``; ``None`` (take
+    :func:`lookup`) for any other call.
+
+    A call is known when an earlier call with the same :class:`mm3lab._checks.PassedChecks` key (every
+    tensor's address, shape, strides, dtype and device, and the scalars), on the same stream and PDL
+    setting, replayed or recorded that recording, and the shape still holds it. The key holds all
+    that :meth:`mm3lab._replay.Recording.matches` compares and all that :func:`lookup` keys a shape on,
+    so such a call skips both; only its new ``out`` is compared (strides and alignment)."""
+    known = _known()
+    if checked_key is None or not known:
+        return None
+    q = args.q
+    stream = _replay.current_stream(q.device)
+    hit = known.get((checked_key, stream, _pdl.ENABLED))
+    if hit is None:
+        return None
+    shape, rec = hit
+    if shape.recording is not rec or not shape.usable:  # (recorded anew since, or the shape dropped)
+        return None
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if rec.inputs_meta["out"] != (out.stride(), out.data_ptr() % 16 == 0):
+        return None
+    rec.replay(_inputs(args, out), shape.plan.device, stream)
+    rec.release()
+    return out
+
+
+__all__ = ["ENABLED", "KNOWN_CALLS", "MAX_SHAPES", "applies", "clear", "lookup", "replay_known", "run"]
