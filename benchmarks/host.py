@@ -7,11 +7,15 @@ host paths on CPU tensors at the model's shapes, with every Triton launch stubbe
 (:mod:`benchmarks.offline`). Not included: Triton's launch itself, and the value checks' launch
 and host read (on a GPU; with validation on, CPU tensors run the value checks as PyTorch ops
 instead). The GPU results' eager records hold the whole host time per call (``host_ms``).
+Those calls take the normal path (no replays); then ``msa_decode`` takes the recorded path a
+repeated call takes on a GPU (``path: "recorded"``: its launches recorded as they are made and
+replayed through a launcher that returns at once, :func:`benchmarks.offline.install_recordings`).
 
 The records (``benchmarks/results/host/cpu.json``) give the median microseconds per call over
 samples of many calls, with the coefficient of variation, ``mode: "host"``, validation on and
 off, and for the MSA layer the repeated-shape check memo (``mm3lab._checks.PassedChecks``) on
-and off, all from one run on one machine.
+and off, and on its recorded path the known calls (``mm3lab.msa.recorded.KNOWN_CALLS``) on and
+off, all from one run on one machine.
 """
 
 from __future__ import annotations
@@ -95,6 +99,49 @@ def run(calls: int, samples: int) -> list[dict]:
                         flush=True,
                     )
         msa_layer._PASSED.size = type(msa_layer._PASSED).size
+    records += run_recorded(calls, samples)
+    return records
+
+
+def run_recorded(calls: int, samples: int) -> list[dict]:
+    """``msa_decode``'s recorded path (what a repeated call takes on a GPU, :mod:`mm3lab.msa.recorded`),
+    validation off, with its known calls kept and not (``known_calls``; :data:`~mm3lab.msa.recorded.KNOWN_CALLS`)."""
+    from mm3lab.msa import recorded
+
+    offline.install_recordings()
+    records, default = [], recorded.KNOWN_CALLS
+    for batch, context in SHAPES:
+        layer = offline.model_layer(torch.bfloat16, "packed", False, batch=batch, context=context)
+        for known in (True, False):
+            recorded.clear()
+            recorded.KNOWN_CALLS = default if known else 0
+            with mm3lab.validation(False):
+                for _ in range(2):  # (the first call of a shape takes the normal path, the second records)
+                    mm3lab.msa_decode(**layer)
+                us, cv = _time(lambda layer=layer: mm3lab.msa_decode(**layer), calls, samples)
+            (shape,) = recorded._shapes().values()
+            assert shape.recording is not None, "the recorded path did not record"
+            records.append(
+                {
+                    "name": "msa_decode",
+                    "shape": {"batch": batch, "context": context, "dtype": "bf16"},
+                    "mode": "host",
+                    "path": "recorded",
+                    "validation": False,
+                    "passed_checks": True,
+                    "known_calls": known,
+                    "us": round(us, 1),
+                    "cv": round(cv, 4),
+                    "calls": calls,
+                    "samples": samples,
+                }
+            )
+            print(
+                f"{'msa_decode (recorded path)':30s} batch {batch:3d}  validation off  known calls "
+                f"{'on ' if known else 'off'}  {us:7.1f} us  cv {cv:.3f}",
+                flush=True,
+            )
+    recorded.KNOWN_CALLS = default
     return records
 
 

@@ -91,3 +91,37 @@ def install(launch) -> None:
     _replay.ENABLED = False  # (and so does recording a plan's run)
     use_kernel = backend.use_kernel
     backend.use_kernel = lambda *tensors, **kw: use_kernel(**kw)  # (CPU tensors would take the PyTorch path)
+
+
+def install_recordings() -> None:
+    """After :func:`install`: the one-shot decode step (:mod:`mm3lab.msa.recorded`) takes its recorded
+    path on CPU tensors, as on a GPU. Its launches are recorded with the arguments they are given (the
+    input tensors by name, as :class:`mm3lab._replay.Recording` keeps them) and replayed through a
+    launcher that returns at once: what is left is mm3lab's own Python on that path."""
+    from mm3lab import _replay
+    from mm3lab.attention import TILED_MIN_ROWS
+    from mm3lab.msa import recorded
+
+    class _Kernel:  # (what a replay reads of a compiled kernel)
+        function = 0
+        packed_metadata = None
+
+    def add(rec, fn, args, kwargs, grid, kernel) -> None:
+        values = [*args, *kwargs.values()]
+        subs = []
+        for pos, value in enumerate(values):
+            name = next((n for n, t in rec._inputs.items() if t is value), None)
+            if name is not None:
+                subs.append((pos, name))
+        launch = _replay._Launch.__new__(_replay._Launch)
+        launch.kernel, launch.grid, launch.values, launch.subs = _Kernel(), (1, 1, 1), values, tuple(subs)
+        launch.direct = (lambda *launcher_args: None, (1, 1, 1), False, False)
+        launch.addresses = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
+        rec.launches.append(launch)
+
+    recorded.ENABLED = _replay.ENABLED = True
+    _replay.Recording._add = add
+    _replay._platform_supported = lambda: True
+    _replay.current_stream = lambda device: 0
+    torch.cuda.is_current_stream_capturing = lambda: False
+    recorded.applies = lambda args: not args.return_intermediates and args.q.shape[0] < TILED_MIN_ROWS

@@ -300,6 +300,8 @@ def test_host_suite_runs_without_a_gpu(tmp_path):
         "msa_decode",
     }
     assert all(r["mode"] == "host" and r["us"] > 0 for r in records)
-    layer = [r for r in records if r["name"] == "msa_decode"]
+    layer = [r for r in records if r["name"] == "msa_decode" and "path" not in r]
     both = (True, False)
     assert {(r["validation"], r["passed_checks"]) for r in layer} == {(v, m) for v in both for m in both}
+    replayed = [r for r in records if r.get("path") == "recorded"]
+    assert {(r["shape"]["batch"], r["known_calls"]) for r in replayed} == {(b, k) for b in (1, 16) for k in both}
