@@ -103,6 +103,7 @@ class Recording:
         self._inputs = inputs
         self._spans = {name: _span(t) for name, t in inputs.items()}
         self.launches: list[_Launch] = []
+        self._holding = True  # (the launches' values may hold tensors: those recorded, or a replay's without DIRECT)
         self.ok = True
         self.reason = ""
         self.replays = 0
@@ -151,6 +152,9 @@ class Recording:
     def release(self) -> None:
         """Drop the recording's references to the last run's inputs (they are put in place at each replay),
         so that a kept recording does not keep its caller's tensors alive."""
+        if not self._holding:  # (direct replays put addresses in place, which hold nothing)
+            return
+        self._holding = False
         for launch in self.launches:
             for pos, _ in launch.subs:
                 launch.values[pos] = None
@@ -176,6 +180,7 @@ class Recording:
                 call_direct(launch.kernel, direct, launch.grid, stream, values)
                 continue
             values = launch.values
+            self._holding = True
             for pos, name in launch.subs:
                 values[pos] = inputs[name]
             launch_compiled(launch.kernel, launch.grid, values, stream)
