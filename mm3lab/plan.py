@@ -232,7 +232,7 @@ class _MSAPlan:
         if self.uses_kernels:
             from .attention.kernel import num_splits
 
-            splits = num_splits(n, hq, h, d, k * PAGES_PER_SPARSE_BLOCK, dev)
+            splits = num_splits(n, hq, h, d, k * PAGES_PER_SPARSE_BLOCK, dev, self._caches[4] is not None)
             if splits > 1:
                 self.workspace = (
                     torch.empty(n, hq, splits, d, dtype=torch.float32, device=dev),
