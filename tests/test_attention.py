@@ -526,3 +526,19 @@ def test_launch_config_heuristic():
     assert small["num_splits"] >= 1 and small["BLOCK_N"] % PAGE_SIZE == 0
     wide = attn_kernel.launch_config(1, 8, 1, 256, 8, cpu)["BLOCK_N"]
     assert wide == attn_kernel.launch_config(1, 8, 1, 128, 8, cpu)["BLOCK_N"] // 2  # fewer tokens per step past D 128
+
+
+def test_launch_config_fp8_small_batches_take_64_token_steps(monkeypatch):
+    """Compiled, FP8 K/V: 64-token steps where one split per such step still fits the SMs (the model's
+    batch 1 on a 132-SM GPU); bf16 and larger batches keep 128. Plans size their split partials by the
+    same rule."""
+    monkeypatch.setattr(attn_kernel.backend, "INTERPRETER", False)
+    monkeypatch.setattr(attn_kernel, "_device_programs", lambda device: 132)
+    dev = torch.device("cpu")
+    cfg = lambda n, fp8: attn_kernel.launch_config(n, 64, 4, 128, 128, dev, fp8)  # noqa: E731
+    assert cfg(1, False) == {"BLOCK_N": 128, "num_splits": 16}
+    assert cfg(1, True) == {"BLOCK_N": 64, "num_splits": 32}
+    assert cfg(2, True) == cfg(2, False) == {"BLOCK_N": 128, "num_splits": 16}
+    assert cfg(64, True) == {"BLOCK_N": 128, "num_splits": 1}
+    assert attn_kernel.num_splits(1, 64, 4, 128, 128, dev, True) == 32
+    assert attn_kernel.num_splits(1, 64, 4, 128, 128, dev) == 16

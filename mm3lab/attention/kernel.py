@@ -460,9 +460,10 @@ def launch_config(n_rows: int, hq: int, hkv: int, d: int, width: int, device: to
     and 128-token steps read the 268 MB of selected K/V at about 3.3 TB/s; more splits
     only add merge traffic once the (row, head) pairs fill the GPU.
 
-    FP8 K/V (``fp8``), compiled: where every split is one 128-token step and the programs still
-    leave SMs idle (batch 1 and 2 at the model's shapes), 64-token steps, twice the splits. The
-    dequantizing step is the program's latency there; measured on an H100 at batch 1 (top-k 16,
+    FP8 K/V (``fp8``), compiled: where even 64-token steps, one split each, leave no program
+    waiting for an SM (batch 1 at the model's shapes: 4 pairs x 32 steps on 132 SMs), those
+    steps, twice the splits of 128-token steps. The dequantizing step is the program's
+    latency there; measured on an H100 at batch 1 (top-k 16,
     graph replays of attention + merge): 6.49 us against 6.93 us with 128-token steps, where bf16
     keeps 128 (5.92 us against 6.87 us). In the ``fp8`` benchmark suite's step (PDL, after the
     top-k) the attention stage gained less: 6.95 against 7.09 us at 8K, in two runs on one H100.
@@ -474,9 +475,9 @@ def launch_config(n_rows: int, hq: int, hkv: int, d: int, width: int, device: to
     programs = _device_programs(device)
     pairs = max(1, n_rows * hkv)
     steps = max(1, math.ceil(width / (block_n // PAGE_SIZE)))
-    if fp8 and block_n == 128 and not backend.INTERPRETER and pairs * steps < programs:
-        block_n = 64
-        steps = max(1, math.ceil(width / (block_n // PAGE_SIZE)))
+    half = max(1, math.ceil(width / (64 // PAGE_SIZE)))
+    if fp8 and block_n == 128 and not backend.INTERPRETER and pairs * half <= programs:
+        block_n, steps = 64, half
     splits = max(1, min(steps, math.ceil(programs / pairs), 64))
     return {"BLOCK_N": block_n, "num_splits": splits}
 
