@@ -58,21 +58,27 @@ def _call(layer, x, caches, seq_lens):
     return mm3lab.msa_decode(*x, k, v, ic, layer.block_table, seq_lens, decode_query_len=layer.decode_query_len, topk=4)
 
 
+def _both(layer, x, a, b, seq_lens, step):
+    """One step on the recorded path (twin caches ``a``) and on the normal path (twin caches ``b``), equal:
+    ``(recorded output, normal output)``."""
+    got = _call(layer, x, a, seq_lens)
+    recorded.ENABLED = False
+    try:
+        want = _call(layer, x, b, seq_lens)
+    finally:
+        recorded.ENABLED = True
+    assert torch.equal(got, want), step
+    assert torch.equal(a[0], b[0]) and torch.equal(a[3], b[3]), step
+    return got, want
+
+
 def _run_both(layer, steps, device):
     """Each step on the recorded path (twin caches a) and on the normal path (twin caches b)."""
     a, b = _caches(layer), _caches(layer)
     outs = []
     seq_lens = layer.seq_lens.clone()
     for step in range(steps):
-        x = _step_inputs(layer, step)
-        got = _call(layer, x, a, seq_lens)
-        recorded.ENABLED = False
-        try:
-            want = _call(layer, x, b, seq_lens)
-        finally:
-            recorded.ENABLED = True
-        assert torch.equal(got, want), step
-        assert torch.equal(a[0], b[0]) and torch.equal(a[3], b[3]), step
+        got, want = _both(layer, _step_inputs(layer, step), a, b, seq_lens, step)
         outs.append((got, want.clone()))
         seq_lens = seq_lens + layer.decode_query_len  # the next step's tokens
     for step, (got, want) in enumerate(outs):  # every call returned its own output
@@ -235,14 +241,7 @@ def _steps_both(layer, x, a, b, seq_lens, steps):
     """``steps`` calls with the same tensors (``seq_lens`` advanced in place): recorded path on caches ``a``,
     normal path on ``b``, equal every time."""
     for step in range(steps):
-        got = _call(layer, x, a, seq_lens)
-        recorded.ENABLED = False
-        try:
-            want = _call(layer, x, b, seq_lens)
-        finally:
-            recorded.ENABLED = True
-        assert torch.equal(got, want), step
-        assert torch.equal(a[0], b[0]) and torch.equal(a[3], b[3]), step
+        _both(layer, x, a, b, seq_lens, step)
         seq_lens += layer.decode_query_len
 
 
