@@ -8,9 +8,14 @@ group through ``tl.dot`` (``[G_PAD, D] x [D, BLOCK_N]``), with an online softmax
 
 Small batches have few (row, head) pairs, so the row's pages are split into
 ``num_splits`` contiguous ranges run by different programs; each writes its
-partial output (normalized) and log-sum-exp, and :func:`_merge_splits` combines
+partial output (normalized) and log-sum-exp, and :func:`_merge_rows` combines
 them: ``lse = logsumexp_s(lse_s)``, ``out = sum_s exp(lse_s - lse) * out_s``.
-With one split the first kernel writes the final output directly.
+With one split the first kernel writes the final output directly. Who merges:
+eagerly, the last program of each (row, KV head) to finish (it counts arrivals on a
+per-stream counter, :func:`merge_counters`), which saves a launch and its host time
+(about 3 us on an H100 host); in a CUDA graph, where a launch costs no host time,
+a second launch, :func:`_merge_splits`, one program per (row, query head), which
+spreads the merge over more SMs. Both sum the splits in the same order: the same bits.
 
 The layout does not appear here: a page id reaches K through ``k_cache`` and V
 through ``v_cache`` in both layouts (SPEC section 4), so dense and packed caches
@@ -27,12 +32,13 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import _pdl, backend
+from .. import _pdl, _replay, backend
 from .._fit import fitting
 from .._grid import next_power_of_2
 from .._valcheck import signal_done
@@ -252,6 +258,67 @@ def _bad_pages(bt_ptr, stride_bw, pages, page_hi, num_pages, page_mod, page_mod_
     return (used & outside).to(tl.int32)
 
 
+@triton.jit
+def _merge_chunk(part_o, part_lse, stride_ps, s0, num_splits, mask, head_ok, m_ref, acc, total, S_CHUNK: tl.constexpr):
+    """Splits ``s0 .. s0 + S_CHUNK - 1`` (those below ``num_splits``) folded into ``(acc, total)``, one
+    after the other: every load of the chunk is independent, the sums run in split order."""
+    for i in tl.static_range(S_CHUNK):
+        # (the split test as a vector from the start: a scalar bool & a vector mask is no mask on newer Triton)
+        ok = head_ok & ((tl.zeros_like(m_ref).to(tl.int32) + s0 + i) < num_splits)
+        lse_s = tl.load(part_lse + (s0 + i), mask=ok, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(part_o + (s0 + i) * stride_ps, mask=mask & ok[:, None], other=0.0, cache_modifier=".cg")
+        w = tl.exp(lse_s - m_ref)  # 0 for empty and missing splits
+        acc = acc + part * w[:, None]
+        total = total + w
+    return acc, total
+
+
+@triton.jit
+def _merge_rows(
+    part_o,  # [M, D_PAD] pointers: split 0's partial output of M heads (split stride stride_ps)
+    part_lse,  # [M] pointers: split 0's partial log-sum-exp of those heads (split stride 1)
+    stride_ps,
+    num_splits,
+    mask,  # [M, D_PAD] the live (head, dim) entries
+    S_PAD: tl.constexpr,  # >= num_splits, a power of two
+    S_CHUNK: tl.constexpr,  # splits whose loads are issued together
+    INTERPRETED: tl.constexpr,
+):
+    """The split partials of ``M`` heads merged: ``(out [M, D_PAD] float32, lse [M])`` with
+    ``lse = logsumexp_s(lse_s)`` and ``out = sum_s exp(lse_s - lse) * out_s`` (zeros and ``-inf`` where
+    every split is empty). Each entry's sums run in split order whatever ``M`` and ``S_CHUNK`` are,
+    so the merge inside the attention launch and the separate merge launch agree bit for bit."""
+    offs_s = tl.arange(0, S_PAD)
+    head_ok = tl.max(mask.to(tl.int32), 1) > 0
+    all_lse = tl.load(
+        part_lse[:, None] + offs_s[None, :],
+        mask=head_ok[:, None] & (offs_s[None, :] < num_splits),
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
+    m = tl.max(all_lse, 1)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros(part_o.shape, dtype=tl.float32)
+    total = tl.zeros(m_ref.shape, dtype=tl.float32)
+    # (a while loop in the interpreter, which cannot run range() with runtime bounds)
+    if INTERPRETED:
+        s0 = 0
+        while s0 < num_splits:
+            acc, total = _merge_chunk(
+                part_o, part_lse, stride_ps, s0, num_splits, mask, head_ok, m_ref, acc, total, S_CHUNK
+            )
+            s0 += S_CHUNK
+    else:
+        for s0 in range(0, num_splits, S_CHUNK):
+            acc, total = _merge_chunk(
+                part_o, part_lse, stride_ps, s0, num_splits, mask, head_ok, m_ref, acc, total, S_CHUNK
+            )
+    seen = total > 0
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    lse = tl.where(seen, m_ref + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    return out, lse
+
+
 @triton.jit(do_not_specialize=["page_mod", "page_mod_limit"])
 def _sparse_attention_fwd(
     q_ptr,  # [N, Hq, D] queries
@@ -298,6 +365,13 @@ def _sparse_attention_fwd(
     done_ptr,  # CHECK: the launch counter and the done word (see mm3lab._valcheck.signal_done)
     page_mod,
     page_mod_limit,
+    merge_ptr,  # MERGE: [>= N * Hkv] int32 arrival counters (zero before, zero after)
+    fo_ptr,  # MERGE: [N, Hq, D] the output, and the lse [N, Hq] (written when FINAL_LSE)
+    flse_ptr,
+    stride_fon,
+    stride_foh,
+    stride_fln,
+    stride_flh,
     GROUP_PAD: tl.constexpr,  # >= 16 and a power of two (tl.dot's M)
     D: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -311,6 +385,9 @@ def _sparse_attention_fwd(
     CHECK: tl.constexpr,
     PDL: tl.constexpr,
     ONE_STEP: tl.constexpr,  # pages_per_split * PAGE == BLOCK_N: a program attends one step
+    MERGE: tl.constexpr,  # the last split of each (row, KV head) to finish merges them (merge_counters)
+    FINAL_LSE: tl.constexpr,  # MERGE: write the merged lse too
+    S_PAD: tl.constexpr,  # MERGE: >= the number of splits, a power of two
 ):
     _pdl.wait_previous(PDL)
     n = tl.program_id(0)
@@ -384,6 +461,23 @@ def _sparse_attention_fwd(
     else:
         tl.store(o_ptr + o_off + s * stride_os, out, mask=g_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptr + l_off + s, lse, mask=g_ok)
+        if MERGE:
+            # The last of the row's splits to get here merges them (a barrier first, so that every
+            # thread's stores are made before this program counts as arrived; acquire/release on the
+            # counter orders them before that program's loads, which bypass L1).
+            tl.debug_barrier()
+            counter = merge_ptr + n * tl.num_programs(1) + h
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == tl.num_programs(2) - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # (zero again for the next launch)
+                mask = g_ok[:, None] & d_ok[None, :]
+                out, lse = _merge_rows(
+                    o_ptr + o_off, lse_ptr + l_off, stride_os, tl.num_programs(2), mask, S_PAD, 4, INTERPRETED
+                )
+                f_off = n.to(tl.int64) * stride_fon + heads[:, None] * stride_foh + offs_d[None, :]
+                tl.store(fo_ptr + f_off, out.to(fo_ptr.dtype.element_ty), mask=mask)
+                if FINAL_LSE:
+                    tl.store(flse_ptr + n.to(tl.int64) * stride_fln + heads * stride_flh, lse, mask=g_ok)
 
 
 _FWD = fitting(_sparse_attention_fwd, "num_stages", (2, 1))
@@ -412,29 +506,22 @@ def _merge_splits(
     S_PAD: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     PDL: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
+    """One program per (row, query head): :func:`_merge_rows` of that head."""
     _pdl.wait_previous(PDL)
     n = tl.program_id(0).to(tl.int64)
-    hq = tl.program_id(1)
-    offs_s = tl.arange(0, S_PAD)
+    heads = tl.program_id(1) + tl.arange(0, 1)
     offs_d = tl.arange(0, D_PAD)
-    s_ok = offs_s < num_splits
-    d_ok = offs_d < D
-    lse_s = tl.load(part_lse_ptr + n * stride_qn + hq * stride_qh + offs_s, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    m_ref = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_ref)  # 0 for empty splits
-    total = tl.sum(w, 0)
-    part = tl.load(
-        part_o_ptr + n * stride_pn + hq * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-        mask=s_ok[:, None] & d_ok[None, :],
-        other=0.0,
+    mask = (heads[:, None] >= 0) & (offs_d[None, :] < D)
+    part_o = part_o_ptr + n * stride_pn + heads[:, None] * stride_ph + offs_d[None, :]
+    part_lse = part_lse_ptr + n * stride_qn + heads * stride_qh
+    out, lse = _merge_rows(part_o, part_lse, stride_ps, num_splits, mask, S_PAD, S_PAD, INTERPRETED)
+    tl.store(
+        o_ptr + n * stride_on + heads[:, None] * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=mask
     )
-    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(o_ptr + n * stride_on + hq * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
     if WRITE_LSE:
-        lse = tl.where(total > 0, m_ref + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
-        tl.store(lse_ptr + n * stride_ln + hq * stride_lh, lse)
+        tl.store(lse_ptr + n * stride_ln + heads * stride_lh, lse)
 
 
 @functools.cache
@@ -508,6 +595,7 @@ def sparse_attention_kernel(
     block_n: int | None = None,
     workspace=None,
     check=None,
+    merge: str | None = None,
 ) -> None:
     """Launch the attention (and, with several splits, the merge). Arguments are already validated.
 
@@ -524,6 +612,11 @@ def sparse_attention_kernel(
             ``[0, W * 16]``) and ``flags[1]`` (a used page id outside the cache, or with
             ``id mod page_mod >= page_mod_limit``) of the int32 ``flags`` to 1, and sets ``done[0]`` to
             1 once every program has checked (``count[0]``: zero before, zero after); nothing else changes.
+        merge: with several splits, who merges them: ``"own"`` (the attention launch: the last split of
+            each (row, KV head) to finish, :func:`merge_counters`), ``"launch"`` (a second launch,
+            :func:`_merge_splits`, one program per (row, query head)) or ``None`` (``"own"`` where
+            it applies: outside CUDA-graph capture, at most :data:`MERGE_COUNTERS` pairs). Both give
+            the same bits.
     """
     n_rows, hq, d = q.shape
     hkv, _, width = sparse_bt.shape
@@ -554,6 +647,16 @@ def sparse_attention_kernel(
     else:  # (never read without CHECK)
         flags = count = done = sparse_bt
         page_mod = page_mod_limit = 1
+    if merge not in (None, "own", "launch"):
+        raise ValueError(f"merge: expected None, 'own' or 'launch', got {merge!r}")
+    counters = None
+    if splits > 1 and (merge == "own" or (merge is None and OWN_MERGE)) and n_rows * hkv <= MERGE_COUNTERS:
+        counters = merge_counters(q.device)  # (None while a CUDA graph is captured)
+    if merge == "own" and splits > 1 and counters is None:
+        raise ValueError(
+            f"merge='own': needs at most {MERGE_COUNTERS} (row, KV head) pairs and no CUDA-graph capture "
+            f"(got {n_rows * hkv} pairs)"
+        )
     common.update(CHECK=check is not None, ONE_STEP=pages_per_split == pages_per_step)
     checks = (flags, count, done, page_mod, page_mod_limit)
     args = (
@@ -590,8 +693,18 @@ def sparse_attention_kernel(
             *ks.stride(),
             *vs.stride(),
             *checks,
+            sparse_bt,  # (no merge: the merge arguments are never read)
+            out,
+            out,
+            0,
+            0,
+            0,
+            0,
             ONE_SPLIT=True,
             WRITE_LSE=lse is not None,
+            MERGE=False,
+            FINAL_LSE=False,
+            S_PAD=1,
             **common,
         )
         return
@@ -620,10 +733,22 @@ def sparse_attention_kernel(
         *ks.stride(),
         *vs.stride(),
         *checks,
+        sparse_bt if counters is None else counters,
+        out,
+        part_lse if lse is None else lse,
+        out.stride(0),
+        out.stride(1),
+        0 if lse is None else lse.stride(0),
+        0 if lse is None else lse.stride(1),
         ONE_SPLIT=False,
         WRITE_LSE=True,
+        MERGE=counters is not None,
+        FINAL_LSE=lse is not None,
+        S_PAD=max(2, next_power_of_2(splits)),
         **common,
     )
+    if counters is not None:
+        return
     _merge_splits[(n_rows, hq)](
         part_o,
         part_lse,
@@ -643,9 +768,45 @@ def sparse_attention_kernel(
         D_PAD=d_pad,
         S_PAD=max(2, next_power_of_2(splits)),
         WRITE_LSE=lse is not None,
+        INTERPRETED=backend.INTERPRETER,
         num_warps=4,
         **_pdl.options(q.device),
     )
 
 
-__all__ = ["launch_config", "num_splits", "sparse_attention_kernel"]
+MERGE_COUNTERS = 1024
+"""Arrival counters per stream: a launch of at most this many (row, KV head) pairs merges its own splits."""
+
+OWN_MERGE = True
+"""``merge=None`` lets the attention launch merge its own splits where it can; ``False``: always the merge
+launch (the benchmarks compare both; a call already recorded keeps the launches it was recorded with)."""
+
+_counters: dict = {}  # (device, stream or thread) -> int32 [MERGE_COUNTERS] zeros, kept for the process
+
+
+def merge_counters(device: torch.device) -> torch.Tensor | None:
+    """The arrival counters the attention launches on ``device``'s current stream count their splits
+    with (``merge="own"``): int32 zeros, and zeros again after every such launch (its last program
+    resets them). One buffer per CUDA stream (launches on one stream run in order; two streams may run
+    at once) or, on the CPU, per thread; made once, outside any recording or capture, and kept (a
+    recorded launch holds its address). ``None`` while a CUDA graph is being captured: a graph's
+    replays could overlap the stream's own launches, so a captured call launches the merge."""
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        key = (
+            device.index if device.index is not None else torch.cuda.current_device(),
+            _replay.current_stream(device),
+        )
+    else:
+        key = (str(device), threading.get_ident())
+    buf = _counters.get(key)
+    if buf is None:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # (a buffer made once, not the call's own work: see _replay.record)
+            buf = _counters[key] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
+__all__ = ["MERGE_COUNTERS", "launch_config", "merge_counters", "num_splits", "sparse_attention_kernel"]
