@@ -158,6 +158,29 @@ def test_new_caches_and_new_strides_on_gpu():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_repeated_call_checks_the_values_of_each_call(cpu_applies, device):
+    """Calls with the same tensors (a known call: its value check launched from kept arguments on a
+    GPU) still check the values each call holds: a seq_len changed in place past the block table is
+    rejected with its message before any cache write, and the call after it, fixed, runs as before."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    recorded._local.shapes = None
+    layer = _layer(device)
+    caches = _caches(layer)
+    x = _step_inputs(layer, 0)
+    seq_lens = layer.seq_lens.clone()
+    with mm3lab.validation(True):
+        want = [_call(layer, x, caches, seq_lens) for _ in range(4)][-1]
+        kv, index_cache = caches[0].clone(), caches[3].clone()
+        seq_lens[1] = layer.block_table.shape[1] * 128 + 1
+        with pytest.raises(ValueError, match="seq_lens: request 1"):
+            _call(layer, x, caches, seq_lens)
+        assert torch.equal(caches[0], kv) and torch.equal(caches[3], index_cache)  # nothing written
+        seq_lens.copy_(layer.seq_lens)
+        assert torch.equal(_call(layer, x, caches, seq_lens), want)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_nothing_keeps_the_callers_tensors_alive(cpu_applies, device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

@@ -116,6 +116,34 @@ def test_direct_launch_gives_the_launch_path_flags(device, fast, monkeypatch):
         assert bool(_valcheck._compiled) == (fast and _valcheck._replay.supported())
 
 
+def test_a_kept_check_launch_reads_the_values_of_each_call(device):
+    """:func:`flags_known`: a key's first call builds its segments (and, on a GPU, keeps the direct
+    launch); a repeat of the key launches the kept arguments without building them, and its flags
+    are those of the tensors' contents at that call (changed in place: flagged; fixed: clear).
+    Elsewhere (the CPU, key ``None``) every call builds them. Same flags as :func:`flags` throughout."""
+    seq_lens = torch.tensor([5, 130, 9], dtype=torch.int32, device=device)
+    table = torch.tensor([[0, 1], [2, 3], [4, 9]], dtype=torch.int32, device=device)
+    built = []
+
+    def segments():
+        built.append(1)
+        return [Segment("all", seq_lens, lo=0, hi=256), Segment("len", table, lo=0, hi=8, aux=seq_lens, unit=128)]
+
+    kept = device == "cuda" and _valcheck._replay.supported()
+    with _valcheck.kernel_on_cpu():
+        for key in ("a step", None):
+            built.clear()
+            assert _valcheck.flags_known(key, segments) == [0, 0, 0, 0]
+            assert _valcheck.flags_known(key, segments) == [0, 0, 0, 0]
+            seq_lens[2] = 200  # row 2 now reads its second block, page 9: outside [0, 8]
+            assert _valcheck.flags_known(key, segments) == [0, 0, 1, 0] == _valcheck.flags(*segments())
+            seq_lens[0] = -1
+            assert _valcheck.flags_known(key, segments) == [1, 0, 1, 0]
+            seq_lens[0], seq_lens[2] = 5, 9
+            assert _valcheck.flags_known(key, segments) == [0, 0, 0, 0]
+            assert len(built) == (1 if kept and key is not None else 5) + 1  # (+1: the flags() beside it)
+
+
 def test_int64_extremes_and_empty_segments():
     big = torch.tensor([0, 2**62, -(2**62)], dtype=torch.int64)
     for force in (False, True):

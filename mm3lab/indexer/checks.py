@@ -135,23 +135,27 @@ def check_decode(
         check_decode_values(index_cache, block_table, seq_lens)
 
 
-def check_decode_values(index_cache, block_table, seq_lens) -> None:
+def check_decode_values(index_cache, block_table, seq_lens, key=None) -> None:
     """The value checks of :func:`check_decode` (while validation is on), for a caller whose structural
-    checks passed (a plan checks its shapes once; its runs check values only)."""
+    checks passed (a plan checks its shapes once; its runs check values only). ``key``: the
+    caller's :class:`mm3lab._checks.PassedChecks` key over these tensors, if any (a repeat of it
+    launches the kept check, :func:`mm3lab._valcheck.flags_known`)."""
     if not validation_enabled():
         return
     m = block_table.shape[1]
     num_blocks = index_cache.shape[0]
-    segments = [
-        Segment("all", seq_lens, hi=m * SPARSE_BLOCK_SIZE),
-        Segment("len", block_table, lo=0, hi=num_blocks - 1, aux=seq_lens, unit=SPARSE_BLOCK_SIZE) if m else None,
-    ]
+
+    def segments() -> list:
+        return [
+            Segment("all", seq_lens, hi=m * SPARSE_BLOCK_SIZE),
+            Segment("len", block_table, lo=0, hi=num_blocks - 1, aux=seq_lens, unit=SPARSE_BLOCK_SIZE) if m else None,
+        ]
 
     def detail() -> None:
         blocks_used = blocks_used_decode(seq_lens, m)
         _raise_first([seq_lens_check(seq_lens, m), _table_entries_check(block_table, blocks_used, num_blocks)])
 
-    _value_checks(segments, detail)
+    _value_checks(segments, detail, None if key is None else ("indexer_decode", key))
 
 
 def check_prefill(

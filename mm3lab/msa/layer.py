@@ -253,7 +253,7 @@ def run_layer(steps, arguments: dict):
         check(args.index_q, index_cache, block_table, *selection, index_scale)
     elif decode:  # (its structural checks passed with the rest: the values only)
         if q.shape[0]:
-            check_indexer_decode_values(index_cache, block_table, args.seq_lens)
+            check_indexer_decode_values(index_cache, block_table, args.seq_lens, passed)
     else:
         check_table_entries(block_table, args.query_req_id, args.query_abs_pos, index_cache.shape[0], "the index cache")
     # a repeated one-shot decode step replays its launches through an internal plan (mm3lab.msa.recorded)
