@@ -157,17 +157,21 @@ def test_new_caches_and_new_strides_on_gpu():
     assert shape.recording is not rec  # recorded anew for the new strides
 
 
+def _fresh_step(device):
+    """A small layer on ``device`` (skipped without a GPU), no kept shapes: ``(layer, caches, step 0's inputs)``."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    recorded._local.shapes = None
+    layer = _layer(device)
+    return layer, _caches(layer), _step_inputs(layer, 0)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_repeated_call_checks_the_values_of_each_call(cpu_applies, device):
     """Calls with the same tensors (a known call: its value check launched from kept arguments on a
     GPU) still check the values each call holds: a seq_len changed in place past the block table is
     rejected with its message before any cache write, and the call after it, fixed, runs as before."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    recorded._local.shapes = None
-    layer = _layer(device)
-    caches = _caches(layer)
-    x = _step_inputs(layer, 0)
+    layer, caches, x = _fresh_step(device)
     seq_lens = layer.seq_lens.clone()
     with mm3lab.validation(True):
         want = [_call(layer, x, caches, seq_lens) for _ in range(4)][-1]
@@ -182,12 +186,7 @@ def test_a_repeated_call_checks_the_values_of_each_call(cpu_applies, device):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_nothing_keeps_the_callers_tensors_alive(cpu_applies, device):
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    recorded._local.shapes = None
-    layer = _layer(device)
-    caches = _caches(layer)
-    x = _step_inputs(layer, 0)
+    layer, caches, x = _fresh_step(device)
     for _ in range(4):
         out = _call(layer, x, caches, layer.seq_lens)
     (shape,) = recorded._local.shapes.values()
