@@ -330,26 +330,29 @@ class Memo:
         first = per_call[0]
         if not isinstance(first, torch.Tensor) or not first.is_cuda:
             return None
-        key = [current_stream(first.device), _pdl.ENABLED]
+        stream = _raw_stream(first.get_device()) if _raw_stream is not None else current_stream(first.device)
+        key = [stream, _pdl.ENABLED]
         try:
             for x in scalars:  # (by type too: True, 1 and 1.0 are equal keys, and not equally valid)
                 key.append((type(x), x))
+            # (the device as its index, -1 off the GPU: cheaper to make and to hash than a torch.device)
             for t in per_call:
-                key.append(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16))
+                key.append(None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16))
             for t in caches:
-                key.append(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device))
-            key = tuple(key)
-            hash(key)
-            return key
-        except (AttributeError, TypeError):  # not a tensor, an unhashable scalar: the normal path
+                key.append(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()))
+        except (AttributeError, TypeError):  # not a tensor: the normal path
             return None
+        return tuple(key)  # (an unhashable scalar: get and put find nothing and keep nothing)
 
     def get(self, key) -> MemoEntry | None:
         """What :meth:`put` kept under ``key`` (most recently used first), else ``None``."""
         if key is None:
             return None
         entries = self._entries()
-        entry = entries.get(key)
+        try:
+            entry = entries.get(key)
+        except TypeError:  # (an unhashable scalar in the key)
+            return None
         if entry is not None:
             entries.move_to_end(key)
         return entry
@@ -358,6 +361,10 @@ class Memo:
         """Keep a checked call shape: its recording (``None``: not replayable, later calls take the
         normal path) and what its later calls need of its checks (``info``)."""
         if key is None or self.size <= 0:
+            return
+        try:
+            hash(key)
+        except TypeError:  # (an unhashable scalar in the key: nothing kept)
             return
         entries = self._entries()
         entries[key] = MemoEntry(recording, info)
