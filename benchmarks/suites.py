@@ -14,6 +14,11 @@ next to its baselines in the same mode, on the same inputs:
 * the MSA decode step (one-shot and planned): dense SDPA and the gather pipeline.
 
 ``msa_decode_stages`` times each launch of a planned decode step on its own.
+
+Beside the default eager path, the same calls with one host-time measure off, in the same
+run: ``*_no_replay`` (repeated calls not replayed), ``*_merge_launch`` (split attention merged
+by a launch of its own, as inside a CUDA graph, instead of by its last split) and
+``msa_decode_no_kept_checks`` (the value check's launch built anew every call).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch
 import triton
 
 import mm3lab
+from mm3lab import _valcheck
+from mm3lab.attention import kernel as attn_kernel
 from mm3lab.constants import HEAD_DIM, INDEX_HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, SPARSE_BLOCK_SIZE
 from mm3lab.testing import relative_error
 
@@ -160,6 +167,28 @@ def _no_replay(ctx: Context, fns, label: str) -> dict:
         return _ours(ctx, fns, f"{label} (no replay)", graph=False)
     finally:
         _replay.ENABLED = True
+
+
+def _switched(ctx: Context, fns, label: str, settings) -> dict:
+    """``{("eager", validation): Timing}`` of an entry point with package settings changed (``settings``:
+    ``(module, name, value)`` triples), measured beside :func:`_ours` so that one run shows what each
+    is worth. The call memos and recorded steps are cleared before and after (a recording keeps the
+    launches it was made with)."""
+    from mm3lab import _replay
+    from mm3lab.msa import recorded
+
+    saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
+    for module, name, value in settings:
+        setattr(module, name, value)
+    _replay.clear_memos()
+    recorded.clear()
+    try:
+        return _ours(ctx, fns, label, graph=False)
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+        _replay.clear_memos()
+        recorded.clear()
 
 
 def _theirs(ctx: Context, fns, label: str) -> dict:
@@ -445,6 +474,7 @@ def _attention_decode_one(ctx, batch) -> None:
     assert err < 2e-2, f"sparse_attention differs from gather + SDPA: relative error {err:.3e}"
     ours = _ours(ctx, fns, f"sparse_attention b{batch}")
     no_replay = _no_replay(ctx, fns, f"sparse_attention b{batch}")
+    merge_launch = _switched(ctx, fns, f"sparse_attention b{batch} (merge launch)", [(attn_kernel, "OWN_MERGE", False)])
     gather = [
         lambda st=st: baselines.naive_sparse_attention(st["q"], kc, vc, st["sparse_bt"], st["sparse_ctx"], scale)
         for st in p.sets
@@ -512,6 +542,7 @@ def _attention_decode_one(ctx, batch) -> None:
     )
     dense_only = {"dense_sdpa": theirs["dense_sdpa"]}
     ctx.compare("sparse_attention_no_replay", shape, no_replay, dense_only, p.attended_bytes(), fallback)
+    ctx.compare("sparse_attention_merge_launch", shape, merge_launch, dense_only, p.attended_bytes(), fallback)
     _free(ctx)
 
 
@@ -690,6 +721,11 @@ def _msa_decode_one(ctx, batch) -> None:
         want = fns[0]().clone()
     fallback = fallback_reason()
     ours = _ours(ctx, fns, f"msa_decode b{batch}")
+    switched = {
+        "msa_decode_merge_launch": [(attn_kernel, "OWN_MERGE", False)],
+        "msa_decode_no_kept_checks": [(_valcheck, "KNOWN_CHECKS", 0)],
+    }
+    switched = {name: _switched(ctx, fns, f"{name} b{batch}", how) for name, how in switched.items()}
     plan = mm3lab.MSADecodePlan(
         p.cache.k_cache, p.cache.v_cache, p.index_cache, batch=batch, max_blocks=p.m, num_q_heads=s.hq, topk=s.topk
     )
@@ -749,6 +785,8 @@ def _msa_decode_one(ctx, batch) -> None:
     }
     ctx.compare("msa_decode", shape, ours, theirs, nbytes, fallback)
     ctx.compare("msa_decode_plan", shape, plan_t, theirs, nbytes, fallback)
+    for name, times in switched.items():
+        ctx.compare(name, shape, times, {"dense_sdpa": theirs["dense_sdpa"]}, nbytes, fallback)
     _free(ctx)
 
 

@@ -709,7 +709,7 @@ def flags_known(key, segments) -> list[int]:
     known = getattr(_buffers, "known", None)
     if known is None:
         known = _buffers.known = collections.OrderedDict()
-    entry = None if key is None else known.get(key)
+    entry = None if key is None or KNOWN_CHECKS <= 0 else known.get(key)
     if entry is not None and ZERO_COPY and _replay.DIRECT and _replay.hooks_idle():
         kernel, direct, grid, values, device, n = entry
         if not torch.cuda.is_current_stream_capturing():
