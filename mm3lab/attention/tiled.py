@@ -53,9 +53,6 @@ TILE_QUERY_VECTORS, TILE_PAGES, TILE_WARPS, TILE_STAGES = 64, 4, 4, 2
 """The tile's default shape: query vectors per program, union pages per step, warps, pipeline stages
 (see :func:`tiled_config`)."""
 
-TILE_EARLY_V = False
-"""Union steps load their V tile after the softmax (``True``: with the K tile, before the first dot)."""
-
 PREPASS_MAX_ENTRIES = 8192
 """The tile heuristic keeps the pre-pass's per-tile sort at most this long where the group allows
 (the model's 4-row tiles of 128-page lists sort 512 entries)."""
@@ -310,10 +307,8 @@ def _tile_step(
     PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PLAIN_STEPS: tl.constexpr,
-    EARLY_V: tl.constexpr,
 ):
-    """One online-softmax step of the whole tile over union pages ``start .. start + PAGES - 1``
-    (``EARLY_V``: the V tile is loaded with K, before the first dot)."""
+    """One online-softmax step of the whole tile over union pages ``start .. start + PAGES - 1``."""
     BLOCK_N: tl.constexpr = PAGES * PAGE
     k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr = cache
     union_row, count, whole_tile, live_row, plain_row = union
@@ -334,8 +329,6 @@ def _tile_step(
     row = (tok % PAGE).to(tl.int64)
     kv_mask = ok[:, None] & d_ok[None, :]
     k = tl.load(k_head + (page * stride_kp + row * stride_kr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    if EARLY_V:
-        v = tl.load(v_head + (page * stride_vp + row * stride_vr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N]
     if not plain:
         # per (row, union page): whole occurrences (pre-pass), and the tokens of a tail ending mid-page
@@ -355,8 +348,7 @@ def _tile_step(
         scores = tl.where(lw > float("-inf"), scores + lw, float("-inf"))
     m_i, l_i, acc = state
     p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)
-    if not EARLY_V:
-        v = tl.load(v_head + (page * stride_vp + row * stride_vr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_head + (page * stride_vp + row * stride_vr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_i, l_i, acc
 
@@ -387,7 +379,6 @@ def _walk_union(
     tile,  # (KV head h, first row row0, n_rows, group, the tile's union pages, their count)
     page_use,  # the tile's (whole [U, T], live [U], plain [U]) of tile_unions
     PLAIN_STEPS: tl.constexpr,
-    EARLY_V: tl.constexpr,
     T: tl.constexpr,
     GP: tl.constexpr,
     D: tl.constexpr,
@@ -436,43 +427,13 @@ def _walk_union(
         start = 0
         while start < count:
             state = _tile_step(
-                q,
-                cache,
-                union,
-                start,
-                tail,
-                qk_scale,
-                state,
-                T,
-                GP,
-                D,
-                D_PAD,
-                PAGES,
-                PAGE,
-                DOT_PRECISION,
-                PLAIN_STEPS,
-                EARLY_V,
+                q, cache, union, start, tail, qk_scale, state, T, GP, D, D_PAD, PAGES, PAGE, DOT_PRECISION, PLAIN_STEPS
             )
             start += PAGES
     else:
         for start in range(0, count, PAGES):
             state = _tile_step(
-                q,
-                cache,
-                union,
-                start,
-                tail,
-                qk_scale,
-                state,
-                T,
-                GP,
-                D,
-                D_PAD,
-                PAGES,
-                PAGE,
-                DOT_PRECISION,
-                PLAIN_STEPS,
-                EARLY_V,
+                q, cache, union, start, tail, qk_scale, state, T, GP, D, D_PAD, PAGES, PAGE, DOT_PRECISION, PLAIN_STEPS
             )
     _store_rows(outs, n_m, heads, m_ok, state, D, D_PAD, WRITE_LSE)
 
@@ -573,7 +534,6 @@ def _tiled_fwd(
     PAGE: tl.constexpr,
     MODE: tl.constexpr,  # 0: per tile by the rule, 1: always the union walk, 2: always row by row
     PLAIN_STEPS: tl.constexpr,  # skip the weights in steps whose pages every row reads whole, once
-    EARLY_V: tl.constexpr,  # load each step's V tile with its K tile
     WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -615,7 +575,6 @@ def _tiled_fwd(
             rows,
             page_use,
             PLAIN_STEPS,
-            EARLY_V,
             T,
             GP,
             D,
@@ -672,7 +631,6 @@ def tiled_attention_kernel(
     num_stages: int | None = None,
     plain_steps: bool = True,
     prepass: str | None = None,
-    early_v: bool | None = None,
 ) -> None:
     """Launch the pre-pass and the tiled kernel. Arguments are already validated.
 
@@ -682,7 +640,6 @@ def tiled_attention_kernel(
         tile_rows, pages_per_step, num_warps, num_stages: override :func:`tiled_config` (tests, tuning).
         plain_steps: skip the per-token weights in steps whose pages every row of the tile reads whole,
             once (the result is the same; tests and tuning turn it off).
-        early_v: load each union step's V tile together with its K tile (default :data:`TILE_EARLY_V`).
         prepass: ``"kernel"`` (:func:`tile_unions_kernel`) or ``"torch"`` (:func:`tile_unions`): the same
             tables. Default: the kernel, compiled; PyTorch under the interpreter (a named fallback,
             ``tile-prepass-interpreter``, as its sort is slow there).
@@ -751,7 +708,6 @@ def tiled_attention_kernel(
         PAGE=PAGE_SIZE,
         MODE={"auto": 0, "union": 1, "rows": 2}[mode],
         PLAIN_STEPS=plain_steps,
-        EARLY_V=TILE_EARLY_V if early_v is None else early_v,
         WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=backend.INTERPRETER,
