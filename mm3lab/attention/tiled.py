@@ -601,7 +601,10 @@ def tiled_config(n_rows: int, hq: int, hkv: int, d: int, width: int, device: tor
     on an H200 at the model's shapes (4096-token chunk at 32K, top-k 16, bf16, graph replay),
     64 query vectors, 4 pages (64 tokens) per step and 4 warps beat 128 / 256 query vectors,
     2 / 8 / 16 pages, 8 warps and 3 stages on the tile-shared and the synthetic selections
-    (0.96 and 1.65 ms, against 1.08 and 2.19 ms for the best 128-vector setting).
+    (0.96 and 1.65 ms, against 1.08 and 2.19 ms for the best 128-vector setting). A sweep on an
+    H100 (24 settings: 64 / 128 query vectors, 2 / 4 / 8 pages, 4 / 8 warps, 2 / 3 stages) kept this
+    setting first on both selections (0.90 and 1.60 ms; next 0.95 ms, 128 vectors and 2 pages, and
+    1.93 ms, 64 vectors and 2 pages), and loading each step's V tile with its K tile lost (0.96 and 1.68 ms).
     """
     group = hq // hkv
     gp = next_power_of_2(group)
