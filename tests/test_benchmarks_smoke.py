@@ -3,6 +3,7 @@ schema, the timing helpers, and the FlexAttention block masks built from a selec
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 
@@ -305,3 +306,23 @@ def test_host_suite_runs_without_a_gpu(tmp_path):
     assert {(r["validation"], r["passed_checks"]) for r in layer} == {(v, m) for v in both for m in both}
     replayed = [r for r in records if r.get("path") == "recorded"]
     assert {(r["shape"]["batch"], r["known_calls"]) for r in replayed} == {(b, k) for b in (1, 16) for k in both}
+
+
+def test_the_eager_ab_runs_every_arm_and_keeps_nothing_changed(capsys):
+    """``python -m benchmarks.eager_ab --dry-run``: every arm of both entry points, validation on and
+    off, and the package's settings as they were afterwards."""
+    from benchmarks import eager_ab
+    from mm3lab import _valcheck
+    from mm3lab.attention import kernel as attn_kernel
+
+    previous = mm3lab.get_backend()
+    try:
+        assert eager_ab.main(["--dry-run", "--rounds", "1"]) == 0
+    finally:
+        mm3lab.set_backend(previous)
+        eager_ab._arm(True, True)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    arms = {(r["entry"], r["arm"], r["validation"]) for r in map(ast.literal_eval, lines) if r["mode"] == "eager"}
+    want = {(e, a, v) for e, names in eager_ab.ARMS.items() for a in names for v in (True, False)}
+    assert arms == want - {("msa_decode", "own", False)}
+    assert attn_kernel.OWN_MERGE is True and _valcheck.KNOWN_CHECKS == 16

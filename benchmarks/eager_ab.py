@@ -1,0 +1,154 @@
+"""The eager path's host-time measures, each on and off, alternating in one process: ``python3 -m benchmarks.eager_ab``.
+
+Eager times on a GPU host drift within a run (the first seconds of a process, other work on the
+host), so one measurement of each variant, one after the other, can differ by more than what a
+measure saves. Here every arm is measured once per round, the arms in the same order each round,
+over several rounds, and the record gives each arm's per-round medians and the median of those.
+The arms, at 128K context, batch 1 and 16 (the model's shapes, bf16; calls rotate over four input
+sets, as in the ``attention_decode`` and ``msa_decode`` suites):
+
+``sparse_attention``
+    ``own``: split attention merged by its last split (the default eager path); ``launch``: merged
+    by a launch of its own (``mm3lab.attention.kernel.OWN_MERGE = False``, what a CUDA graph runs).
+``msa_decode``
+    ``own+kept``: the default; ``own``: the value check's launch built anew every call
+    (``mm3lab._valcheck.KNOWN_CHECKS = 0``); ``launch``: that and the merge launch.
+
+Validation on and off (``msa_decode``'s ``own`` only on: the kept check launches are a validation
+path), ``mode: "eager"``, and each entry point's CUDA-graph replay once (``mode: "graph"``). The
+call memos and recorded steps are cleared before every arm. ``--dry-run``: tiny shapes on the CPU
+(the code path only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import mm3lab
+from mm3lab import _replay, _valcheck
+from mm3lab.attention import kernel as attn_kernel
+from mm3lab.msa import recorded
+
+from . import suites
+from .common import RESULTS_DIR, Context, _triton_version
+
+ARMS = {
+    "sparse_attention": {"own": (True, True), "launch": (False, True)},
+    "msa_decode": {"own+kept": (True, True), "own": (True, False), "launch": (False, False)},
+}
+"""Entry point -> arm -> (own merge, kept check launches)."""
+
+
+def _arm(own_merge: bool, kept_checks: bool) -> None:
+    attn_kernel.OWN_MERGE = own_merge
+    _valcheck.KNOWN_CHECKS = 16 if kept_checks else 0
+    _replay.clear_memos()
+    recorded.clear()
+
+
+def _calls(ctx: Context, p: suites.DecodeProblem) -> dict:
+    """Each entry point's calls over the problem's input sets."""
+    kc, vc, topk = p.cache.k_cache, p.cache.v_cache, ctx.shapes.topk
+    return {
+        "sparse_attention": [
+            lambda st=st: mm3lab.sparse_attention(st["q"], kc, vc, st["sparse_bt"], st["sparse_ctx"]) for st in p.sets
+        ],
+        "msa_decode": [lambda st=st: mm3lab.msa_decode(*p.msa_args(st), topk=topk) for st in p.sets],
+    }
+
+
+def _one_batch(ctx: Context, batch: int, context: int, rounds: int, runs: dict, records: list) -> None:
+    calls = _calls(ctx, suites.DecodeProblem(ctx, batch, context))
+    for _ in range(rounds):
+        for entry, arms in ARMS.items():
+            for arm, how in arms.items():
+                _arm(*how)
+                for validation in (True, False):
+                    if entry == "msa_decode" and arm == "own" and not validation:
+                        continue
+                    with mm3lab.validation(validation):
+                        t = ctx.eager(calls[entry])
+                    runs.setdefault((entry, batch, arm, validation), []).append(round(t.ms * 1e3, 2))
+    _arm(True, True)
+    for entry, fns in calls.items():
+        with mm3lab.validation(False):
+            t = ctx.graph(fns)
+        if t is not None:
+            records.append(
+                {"entry": entry, "batch": batch, "context": context, "mode": "graph", "us": round(t.ms * 1e3, 2)}
+            )
+
+
+def run(ctx: Context, batches, context: int, rounds: int) -> list[dict]:
+    runs: dict = {}
+    records = []
+    for batch in batches:
+        _one_batch(ctx, batch, context, rounds, runs, records)
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+    for (entry, batch, arm, validation), times in runs.items():
+        records.append(
+            {
+                "entry": entry,
+                "batch": batch,
+                "context": context,
+                "mode": "eager",
+                "arm": arm,
+                "validation": validation,
+                "us": statistics.median(times),
+                "rounds_us": times,
+            }
+        )
+    return records
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="results file (default benchmarks/results/eager-ab/<gpu>.json)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, no results kept")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        mm3lab.set_backend("torch")  # (the code path in seconds; the arms launch nothing on the CPU)
+        ctx = Context("cpu", "cpu-dry-run", None, True, True, calls=2, samples=2, shapes=suites.dry_run_shapes())
+        batches, context = (1,), 300
+    elif torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0)
+        ctx = Context("cuda", gpu, None, False, calls=50, samples=9, shapes=suites.model_shapes(False))
+        batches, context = (1, 16), 131072
+    else:
+        print("needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+        return 2
+    started = time.time()
+    records = run(ctx, batches, context, args.rounds)
+    meta = {
+        "gpu": ctx.gpu,
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "method": "eager: median over rounds of each arm's median per call (calls per sample x samples, "
+        "rotating over input sets); graph: one CUDA-graph replay measurement",
+        "calls_per_sample": ctx.calls,
+        "samples": ctx.samples,
+        "rounds": args.rounds,
+        "seconds": round(time.time() - started, 1),
+    }
+    for r in records:
+        print(r)
+    if not args.dry_run:
+        # (a folder of its own: the suites' results are the *.json files of benchmarks/results itself)
+        out = Path(args.out) if args.out else RESULTS_DIR / "eager-ab" / f"{ctx.gpu.replace(' ', '-').lower()}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
