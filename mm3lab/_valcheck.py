@@ -3,7 +3,7 @@
 A value check reads tensor contents (an id past a table, a position the table
 cannot hold); on a GPU every separate check would be several small launches and a
 device-to-host sync. Here a call describes all its value checks as
-:class:`Segment` s (metadata only, no device work), and :func:`any_bad` evaluates
+:class:`Segment` s (metadata only, no device work), and :func:`flags` evaluates
 them together into a small int32 flag buffer (one flag per segment range check and
 one per segment modulus check) with one launch, then reads the flags back once. Only
 when a flag is set does the caller compute its detailed message (the slow path,
@@ -52,7 +52,6 @@ from ._grid import cdiv, next_power_of_2
 __all__ = [
     "Fused",
     "Segment",
-    "any_bad",
     "flags",
     "flags_known",
     "fused_flags",
@@ -725,11 +724,6 @@ def flags_known(key, segments) -> list[int]:
         while len(known) > KNOWN_CHECKS:
             known.popitem(last=False)
     return values
-
-
-def any_bad(*segments: Segment) -> bool:
-    """Whether any segment holds a bad entry (one launch, one host read); see :func:`flags`."""
-    return any(flags(*segments))
 
 
 def replay_checked(recording, inputs: dict, device: torch.device, stream, fused: Fused | None) -> bool:
