@@ -14,7 +14,8 @@ start (``griddepcontrol.launch_dependents``). That dependent's wait still return
 whole kernel has finished.
 
 The kernels that take part are the five launches of a planned step (the fused insert, the indexer
-scores, the top-k with the sparse block table, the per-row attention and its split merge), which
+scores, the top-k with the sparse block table, the per-row attention and, in a CUDA graph, its split
+merge; eager calls merge in the attention launch), which
 the one-shot entry points launch too. :func:`options` gives their launch keywords: the ``PDL``
 constexpr, which compiles the wait in, and Triton's ``launch_pdl``, which sets the attribute. They
 go together, so a kernel launched with the attribute always waits. Set :data:`ENABLED` to ``False``
