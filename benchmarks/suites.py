@@ -162,11 +162,7 @@ def _no_replay(ctx: Context, fns, label: str) -> dict:
     measured beside :func:`_ours` so that one run shows what the replay saves."""
     from mm3lab import _replay
 
-    _replay.ENABLED = False
-    try:
-        return _ours(ctx, fns, f"{label} (no replay)", graph=False)
-    finally:
-        _replay.ENABLED = True
+    return _switched(ctx, fns, f"{label} (no replay)", [(_replay, "ENABLED", False)])
 
 
 def _switched(ctx: Context, fns, label: str, settings) -> dict:
