@@ -14,10 +14,9 @@
     chunk and a little per-token jitter (the structure of ``mm3lab.synthetic``'s patterns).
 
 ``ms`` is mm3lab's ``sparse_attention`` as a user calls it: eager with the default
-dispatch (validation on and off; the dispatch reads the rows' neighbour share back,
-one small copy), and as a CUDA-graph replay of the kernel the dispatch chose
-(``algorithm`` in the record). One record per mode and baseline, the baseline in the
-same mode: ``flex_attention`` (compiled, block mask from
+dispatch (validation on and off), and as a CUDA-graph replay of the kernel the dispatch
+chose (``algorithm`` in the record; ``neighbour_share`` describes the selection). One
+record per mode and baseline, the baseline in the same mode: ``flex_attention`` (compiled, block mask from
 ``mm3lab.interop.flex.block_mask``; its build time apart, ``mask_build_ms``),
 ``per_token_kernel`` (``algorithm="rows"``, the previous prefill path, validation
 off) and ``dense_sdpa``: causal SDPA over the whole ``context`` (FlashAttention),
@@ -143,7 +142,7 @@ def _prefill_one(ctx: Context, kind: str, chunk: int, context: int, dense: dict)
     p = prefill_problem(ctx, kind, chunk, context)
     kc, vc, sbt, sctx = p["cache"].k_cache, p["cache"].v_cache, p["sparse_bt"], p["sparse_ctx"]
     share = float(tiled.neighbour_share(sbt, sctx))
-    algorithm = choose_algorithm(chunk, share=share)
+    algorithm = choose_algorithm(chunk)
     fns = [lambda q=q: mm3lab.sparse_attention(q, kc, vc, sbt, sctx, scale) for q in p["qs"]]
     fixed = [lambda q=q: mm3lab.sparse_attention(q, kc, vc, sbt, sctx, scale, algorithm=algorithm) for q in p["qs"]]
     rows = [lambda q=q: mm3lab.sparse_attention(q, kc, vc, sbt, sctx, scale, algorithm="rows") for q in p["qs"]]
@@ -293,7 +292,7 @@ def _spec_one(ctx: Context, p: DecodeProblem, q_len: int, selection: str) -> Non
         p.attended_bytes_of(sets[0]),
         fallback,
         algorithm="tiled",
-        default_algorithm=choose_algorithm(n_rows, share=share),
+        default_algorithm=choose_algorithm(n_rows),
         neighbour_share=round(share, 3),
         rel_err_vs_rows=round(err, 6),
     )

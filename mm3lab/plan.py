@@ -438,41 +438,22 @@ class _MSAPlan:
         self._attend(inputs["q"], caches, self.algorithm)
 
     def _set_algorithm(self, algorithm) -> None:
-        """Fix the attention kernel: ``algorithm`` if given; ``"rows"`` below ``TILED_MIN_ROWS`` rows (what
-        the one-shot call runs there); else ``None``, the one-shot rule per run (eager plans only: it reads
-        the rows' neighbour share back, which a graph cannot)."""
-        from .attention import ALGORITHMS, TILED_MIN_ROWS
+        """Fix the attention kernel: ``algorithm`` if given, else what the one-shot call runs for the plan's
+        rows (``mm3lab.attention.choose_algorithm``; an FP8 KV cache: the per-row kernel)."""
+        from .attention import choose_algorithm
 
-        if algorithm is not None and algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"algorithm: expected None or one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}"
-            )
-        if algorithm is None and (self.rows < TILED_MIN_ROWS or self._caches[4] is not None):
+        algorithm = choose_algorithm(self.rows, algorithm)
+        if self._caches[4] is not None:
             algorithm = "rows"  # (an FP8 KV cache: the per-row kernel, which dequantizes in registers)
-        if algorithm is None and self.graph:
-            raise ValueError(
-                f"algorithm: a graph=True plan of {self.rows} rows (>= {TILED_MIN_ROWS}) needs algorithm='rows' or "
-                "'tiled': the automatic choice reads the selection back on every call, which a graph cannot"
-            )
         self.algorithm = algorithm
 
     def _attend(self, q, caches, algorithm) -> None:
-        """Attention into ``plan.out`` / ``plan.lse`` with ``algorithm`` (``None``: the one-shot rule; an FP8
-        KV cache always takes the per-row kernel, as the one-shot call does)."""
-        from .attention import TILED_MIN_ROWS, choose_algorithm, tiled
+        """Attention into ``plan.out`` / ``plan.lse`` with ``algorithm`` (an FP8 KV cache always takes the
+        per-row kernel, as the one-shot call does)."""
+        from .attention import tiled
         from .attention.kernel import sparse_attention_kernel
 
         k_cache, v_cache, _, _, k_scale, v_scale = caches
-        if algorithm is None and self.rows >= TILED_MIN_ROWS and _capturing():
-            raise ValueError(
-                f"algorithm: this plan of {self.rows} rows (>= {TILED_MIN_ROWS}) is being captured in a CUDA graph, "
-                "and its automatic choice reads the selection back, which a capture cannot; build it with "
-                "algorithm='rows' or 'tiled'"
-            )
-        if algorithm is None:  # eager, >= TILED_MIN_ROWS rows: the one-shot rule
-            algorithm = choose_algorithm(
-                self.rows, share=lambda: float(tiled.neighbour_share(self.sparse_bt, self.sparse_ctx))
-            )
         tables = (self.sparse_bt, self.sparse_ctx, self.scale, self.out, self.lse)
         if algorithm == "tiled" and k_scale is None:
             tiled.tiled_attention_kernel(q, k_cache, v_cache, *tables)
@@ -517,8 +498,7 @@ class _MSAPlan:
         if rec is not None and rec.matches(inputs, caches):
             rec.replay(inputs, self.device)
             return
-        if self.algorithm is None or not _replay.supported() or self._device_work:
-            # (the automatic kernel choice differs per run; device work besides launches is never replayed)
+        if not _replay.supported() or self._device_work:  # (device work besides launches is never replayed)
             self._recording = None
             self._launch(inputs, caches)
             return
@@ -586,8 +566,7 @@ class MSADecodePlan(_MSAPlan):
         index_scale, k_scale, v_scale: an FP8 cache's scales (as :func:`mm3lab.msa_decode`), else ``None``.
         query_dtype: the float dtype of the inputs an FP8 cache quantizes (default bfloat16).
         algorithm: the attention kernel, as :func:`mm3lab.sparse_attention`'s. ``None``: the per-row
-            kernel below ``mm3lab.attention.TILED_MIN_ROWS`` rows; from there up the one-shot rule on
-            every run (eager plans; a ``graph=True`` plan of that many rows needs ``"rows"`` or ``"tiled"``).
+            kernel below ``mm3lab.attention.TILED_MIN_ROWS`` rows, the tiled kernel from there up.
     """
 
     _ROW_INPUTS = ("seq_lens",)

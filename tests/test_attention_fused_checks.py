@@ -1,4 +1,5 @@
-"""The value checks that the per-row attention kernel runs itself (``sparse_attention_kernel(check=...)``).
+"""The value checks that the attention kernels run themselves (``sparse_attention_kernel(check=...)``, and
+``tiled_attention_kernel(check=...)`` in its fused pre-pass).
 
 A repeated eager ``sparse_attention`` call (``mm3lab._replay.Memo``) with validation on and a new
 output checks its values inside the attention launch: every program flags the ctx and the used page
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 import mm3lab
 from mm3lab import _valcheck
-from mm3lab.attention import _MEMO, _page_rule
+from mm3lab.attention import _MEMO, _page_rule, tiled
 from mm3lab.attention import kernel as attn_kernel
 from mm3lab.attention.checks import _detail
 from mm3lab.constants import PAGE_SIZE, PAGES_PER_SPARSE_BLOCK
@@ -51,14 +52,24 @@ def _signalled(signal) -> list:
     return flags.tolist()
 
 
+def _attend(cache, q, bt, ctx, splits, out, check=None):
+    """One launch of the per-row kernel (``splits`` splits) or, ``splits`` ``"tiled"``, of the tiled kernel
+    with its fused pre-pass (one tile of 8 rows: 16 query vectors)."""
+    if splits == "tiled":
+        tiled.tiled_attention_kernel(
+            q, cache.k_cache, cache.v_cache, bt, ctx, D**-0.5, out, None, tile_rows=8, prepass="fused", check=check
+        )
+    else:
+        attn_kernel.sparse_attention_kernel(
+            q, cache.k_cache, cache.v_cache, bt, ctx, D**-0.5, out, None, num_splits=splits, block_n=32, check=check
+        )
+
+
 def _flags(cache, q, bt, ctx, splits):
     """``(flags, out)`` of one launch with the checks on."""
     signal = _signal(q.device)
     out = torch.zeros_like(q)
-    check = (signal, *_page_rule(cache.block_page_stride))
-    attn_kernel.sparse_attention_kernel(
-        q, cache.k_cache, cache.v_cache, bt, ctx, D**-0.5, out, None, num_splits=splits, block_n=32, check=check
-    )
+    _attend(cache, q, bt, ctx, splits, out, (signal, *_page_rule(cache.block_page_stride)))
     flags = _signalled(signal)
     assert flags[2] == 0
     return flags[:2], out
@@ -90,6 +101,15 @@ def _spoil(bt, ctx, cache, spoils, g):
     return bt, ctx
 
 
+SPOILS = st.lists(
+    st.one_of(
+        st.tuples(st.just("ctx"), st.integers(0, 1), st.integers(0, 2), st.sampled_from([-1, -(2**31), 385, 10**6])),
+        st.tuples(st.just("page"), st.integers(0, 1), st.integers(0, 2), st.integers(0, 23), st.integers(0, 2)),
+    ),
+    max_size=3,
+)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     layout=st.sampled_from(["dense", "packed"]),
@@ -97,18 +117,22 @@ def _spoil(bt, ctx, cache, spoils, g):
     topk=st.integers(1, 3),
     splits=st.sampled_from([1, 2, 3]),
     seed=st.integers(0, 2**16),
-    spoils=st.lists(
-        st.one_of(
-            st.tuples(
-                st.just("ctx"), st.integers(0, 1), st.integers(0, 2), st.sampled_from([-1, -(2**31), 385, 10**6])
-            ),
-            st.tuples(st.just("page"), st.integers(0, 1), st.integers(0, 2), st.integers(0, 23), st.integers(0, 2)),
-        ),
-        max_size=3,
-    ),
+    spoils=SPOILS,
 )
 def test_the_kernel_flags_exactly_what_the_value_checks_reject_cpu(layout, n, topk, splits, seed, spoils):
     _flags_match_the_checks("cpu", layout, n, topk, splits, seed, spoils)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    layout=st.sampled_from(["dense", "packed"]),
+    n=st.integers(1, 3),
+    topk=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+    spoils=SPOILS,
+)
+def test_the_tiled_kernel_flags_exactly_what_the_value_checks_reject_cpu(layout, n, topk, seed, spoils):
+    _flags_match_the_checks("cpu", layout, n, topk, "tiled", seed, spoils)
 
 
 SINGLE_SPOILS = [
@@ -124,7 +148,7 @@ SINGLE_SPOILS = [
 
 @pytest.mark.parametrize("spoil", SINGLE_SPOILS)
 @pytest.mark.parametrize("layout", ["dense", "packed"])
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [1, 3, "tiled"])
 def test_each_kind_of_bad_entry_is_flagged_where_it_is_read(device, layout, splits, spoil):
     _flags_match_the_checks(device, layout, 3, 3, splits, 11, [spoil])
 
@@ -139,9 +163,7 @@ def _flags_match_the_checks(device, layout, n, topk, splits, seed, spoils):
     assert flags[0] == int(bool(((bad_ctx < 0) | (bad_ctx > width)).any()))
     with mm3lab.validation(False):  # the same launch without the checks: the same output
         want = torch.zeros_like(q)
-        attn_kernel.sparse_attention_kernel(
-            q, cache.k_cache, cache.v_cache, bad_bt, bad_ctx, D**-0.5, want, None, num_splits=splits, block_n=32
-        )
+        _attend(cache, q, bad_bt, bad_ctx, splits, want)
     assert torch.equal(out, want)
 
 
@@ -158,17 +180,21 @@ def test_the_kernel_flags_exactly_what_the_value_checks_reject_cuda():
             else:
                 spoils.append(("page", r[1], r[2], r[3] % 24, r[4] % 3))
         layout = ["dense", "packed"][case % 2]
-        _flags_match_the_checks("cuda", layout, 1 + case % 3, 1 + case % 3, [1, 2, 3][case % 3], case, spoils)
+        splits = [1, 2, 3, "tiled"][case % 4]
+        _flags_match_the_checks("cuda", layout, 1 + case % 3, 1 + case % 3, splits, case, spoils)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("algorithm", [None, "tiled"])
 @pytest.mark.parametrize("layout", ["dense", "packed"])
-def test_a_replayed_checked_call_checks_inside_its_launch(layout):
+def test_a_replayed_checked_call_checks_inside_its_launch(layout, algorithm, monkeypatch):
     _MEMO.clear()
     g = torch.Generator().manual_seed(1)
     cache, q, bt, ctx = _table(layout, 3, 4, g, "cuda")
     args = (q, cache.k_cache, cache.v_cache)
+    if algorithm == "tiled":  # the tiled kernel as the automatic choice runs it (its fused pre-pass checks)
+        monkeypatch.setattr(mm3lab.attention, "TILED_MIN_ROWS", 2)
     first = mm3lab.sparse_attention(*args, bt, ctx)
     _valcheck.reset_stats()
     again = mm3lab.sparse_attention(*args, bt, ctx)

@@ -197,13 +197,13 @@ def test_tile_config_bounds_the_prepass_sort():
 
 
 def test_dispatch_rule():
-    from mm3lab.attention import TILED_MIN_ROWS, TILED_MIN_SHARE
+    from mm3lab.attention import TILED_MIN_ROWS
 
     assert choose_algorithm(1) == "rows"
-    assert choose_algorithm(TILED_MIN_ROWS - 1, share=1.0) == "rows"  # decode / spec decode batches
-    assert choose_algorithm(TILED_MIN_ROWS, share=TILED_MIN_SHARE) == "tiled"
-    assert choose_algorithm(TILED_MIN_ROWS, share=lambda: 0.1) == "rows"  # independent random selections
+    assert choose_algorithm(TILED_MIN_ROWS - 1) == "rows"  # decode / spec decode batches
+    assert choose_algorithm(TILED_MIN_ROWS) == "tiled"  # prefill chunks: each tile chooses on the device
     assert choose_algorithm(1, "tiled") == "tiled"
+    assert choose_algorithm(TILED_MIN_ROWS, "rows") == "rows"
     with pytest.raises(ValueError, match="algorithm"):
         choose_algorithm(1, "flash")
 
@@ -270,7 +270,7 @@ def test_tile_unions_kernel_matches_torch(device, data):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("prepass", ["kernel", "torch"])
+@pytest.mark.parametrize("prepass", ["kernel", "torch", "fused"])
 def test_both_prepasses_give_the_same_output(device, prepass):
     case = make_chunk_case(device, "packed", (2, 4, 32), [500, 90], [33, 20], overlap=0.6, seed=9, pad_rows=1)
     check_tiled(case, "union", tile_rows=4, prepass=prepass)

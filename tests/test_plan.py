@@ -258,7 +258,7 @@ def test_plan_kernel_choice_follows_the_one_shot_rule(device, monkeypatch):
     _, kc, vc, ic = _clone_caches(layer)
     want = mm3lab.msa_prefill(*args, kc, vc, ic, layer.block_table, req, pos, topk=2)
     plan = _prefill_plan(layer, n, topk=2)
-    assert plan.algorithm is None
+    assert plan.algorithm == "tiled"  # from the threshold up: the tiled kernel
     got = plan.run(*args, *_caches(layer), layer.block_table, req, pos)
     assert torch.equal(got, want)
     for algorithm in ("rows", "tiled"):
@@ -276,9 +276,9 @@ def test_plan_kernel_choice_follows_the_one_shot_rule(device, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_automatic_kernel_choice_refuses_a_capture(monkeypatch):
-    """An eager plan whose automatic choice reads the selection back says so when a CUDA graph captures it
-    (instead of a capture error from the read), and one built with ``algorithm`` captures."""
+def test_automatic_kernel_choice_is_captured(monkeypatch):
+    """From ``TILED_MIN_ROWS`` rows up an ``algorithm=None`` plan fixes the tiled kernel (which chooses per
+    tile on the device), so a CUDA graph captures it, and its replay gives the eager run's bits."""
     from mm3lab import attention
 
     monkeypatch.setattr(attention, "TILED_MIN_ROWS", 8)
@@ -287,22 +287,20 @@ def test_automatic_kernel_choice_refuses_a_capture(monkeypatch):
     req = torch.zeros(n, dtype=torch.int32, device="cuda")
     pos = torch.arange(300 - n, 300, dtype=torch.int32, device="cuda")
     args = _prefill_inputs("cuda", n)
-    for algorithm in (None, "rows"):
+    for algorithm, kernel in ((None, "tiled"), ("rows", "rows")):
         plan = _prefill_plan(layer, n, topk=2, algorithm=algorithm)
+        assert plan.algorithm == kernel
         run_args = (*args, *_caches(layer), layer.block_table, req, pos)
         with mm3lab.validation(False):
-            plan.run(*run_args)
+            eager = plan.run(*run_args).clone()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                if algorithm is None:
-                    with pytest.raises(ValueError, match="captured in a CUDA graph"):
-                        plan.run(*run_args)
-                else:
-                    plan.run(*run_args)
-        if algorithm is not None:
-            graph.replay()
-            torch.cuda.synchronize()
+                plan.run(*run_args)
+        plan.out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(plan.out, eager)
 
 
 @pytest.mark.gpu
@@ -338,5 +336,4 @@ def test_graph_prefill_plan_replays_with_changing_positions_and_padded_rows():
     assert plan._cuda_graph is graph
     with pytest.raises(ValueError, match="planned on cuda"):
         plan.run(*[a.cpu() for a in args], *_caches(layer), layer.block_table, req, pos)
-    with pytest.raises(ValueError, match="needs algorithm"):
-        _prefill_plan(layer, 4096, topk=3, graph=True)
+    assert _prefill_plan(layer, 4096, topk=3, graph=True).algorithm == "tiled"  # (capturable: chosen on the device)

@@ -45,6 +45,7 @@ import triton.language as tl
 from .. import backend
 from .._fit import fitting
 from .._grid import next_power_of_2
+from .._valcheck import signal_done
 from ..constants import PAGE_SIZE
 from .checks import readable_pages
 from .kernel import LOG2E, _attend_row, _clamp_ctx, _empty_state, _finish, _online_softmax
@@ -130,38 +131,33 @@ def _running_max(a, b):
 
 
 @triton.jit
-def _tile_unions_fwd(
-    bt_ptr,
-    ctx_ptr,
-    union_ptr,  # [Hkv, tiles, U]
-    count_ptr,
-    rowpages_ptr,
-    whole_ptr,  # [Hkv, tiles, U, T]
-    live_ptr,  # [Hkv, tiles, U]
-    plain_ptr,  # [Hkv, tiles, U]
+def _tile_union(
+    table,  # (bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width)
+    tables,  # (union_ptr [Hkv, tiles, U], count_ptr, rowpages_ptr, whole_ptr [Hkv, tiles, U, T], live_ptr, plain_ptr)
+    tile,
+    h,
+    tiles,
     n_rows,
-    width,
     num_pages,
-    stride_bh,
-    stride_bn,
-    stride_bw,
-    stride_ch,
-    stride_cn,
+    check,  # CHECK: (flags_ptr, page_mod, page_mod_limit), as kernel._check_row's
     T: tl.constexpr,
     W_PAD: tl.constexpr,
     PAGE: tl.constexpr,
     KEY32: tl.constexpr,  # the sort keys fit in int32 (``num_pages * T * 32 < 2**31``): half the sort's work
+    CHECK: tl.constexpr,  # also run the value checks of the entries it reads (the attention reads no others)
 ):
-    """One program per (tile, KV head): sort the tile's used entries by (page, row, tokens), then count.
+    """The pre-pass of one (tile, KV head): sort the tile's used entries by (page, row, tokens), then
+    count; returns the tile's ``(count, row_pages)``. With ``CHECK``, it sets ``flags[0]`` where a row's
+    ctx is outside ``[0, W * 16]`` and ``flags[1]`` where a used page id is outside the cache or breaks
+    the layout's rule (``id mod page_mod >= page_mod_limit``), as the per-row kernel's checks do.
 
     The counts come from scans along the sorted entries (no atomics): entries of one union page, and of
     one (page, row), are neighbours, and ``at`` (an entry's union page) never decreases, so a running
     maximum restarts at every page. The last entry of each page (and of each (page, row)) stores its
     page's numbers; only ``whole``'s first ``count * T`` entries are zeroed first. Tables past ``count``
     are left as they are (the tiled kernel never reads them), but ``union``, which is ``-1`` there."""
-    tile = tl.program_id(0)
-    h = tl.program_id(1)
-    tiles = tl.num_programs(0)
+    bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width = table
+    union_ptr, count_ptr, rowpages_ptr, whole_ptr, live_ptr, plain_ptr = tables
     u_len = T * width
     L: tl.constexpr = T * W_PAD
     o = tl.arange(0, L)
@@ -169,12 +165,21 @@ def _tile_unions_fwd(
     w = o % W_PAD
     n = tile * T + t
     row_ok = n < n_rows
-    ctx = _clamp_ctx(tl.load(ctx_ptr + h * stride_ch + n * stride_cn, mask=row_ok, other=0), width, PAGE)
+    raw_ctx = tl.load(ctx_ptr + h * stride_ch + n * stride_cn, mask=row_ok, other=0)
+    ctx = _clamp_ctx(raw_ctx, width, PAGE)
     tokens = tl.minimum(tl.maximum(ctx - w * PAGE, 0), PAGE)  # tokens of the entry the row reads
     used = row_ok & (w < width) & (tokens > 0)
     page = tl.load(
         bt_ptr + h.to(tl.int64) * stride_bh + n.to(tl.int64) * stride_bn + w * stride_bw, mask=used, other=-1
     )
+    if CHECK:
+        flags_ptr, page_mod, page_mod_limit = check
+        raw = raw_ctx.to(tl.int64)
+        bad_ctx = row_ok & ((raw < 0) | (raw > width * PAGE))
+        tl.store(flags_ptr, 1, mask=tl.max(bad_ctx.to(tl.int32), 0) > 0)
+        ids = page.to(tl.int64)
+        outside = (ids < 0) | (ids >= num_pages) | ((ids % page_mod + page_mod) % page_mod >= page_mod_limit)
+        tl.store(flags_ptr + 1, 1, mask=tl.max((used & outside).to(tl.int32), 0) > 0)
     if KEY32:
         page = page.to(tl.int32)
         big: tl.constexpr = 2**31 - 1
@@ -195,8 +200,9 @@ def _tile_unions_fwd(
     base = h.to(tl.int64) * tiles + tile
     tl.store(union_ptr + base * u_len + at, pg.to(tl.int32), mask=first_page)
     tl.store(union_ptr + base * u_len + o, -1, mask=(o >= count) & (o < u_len))
+    row_pages = tl.sum(used.to(tl.int32), 0)
     tl.store(count_ptr + base, count)
-    tl.store(rowpages_ptr + base, tl.sum(used.to(tl.int32), 0))
+    tl.store(rowpages_ptr + base, row_pages)
     tok = (key % 32).to(tl.int32)
     row = (pr % T).to(tl.int32)
     whole_e = valid & (tok == PAGE)
@@ -226,6 +232,37 @@ def _tile_unions_fwd(
         z += L
     tl.debug_barrier()
     tl.store(whole_row + at * T + row, w_pr, mask=last_pr)
+    return count, row_pages
+
+
+@triton.jit
+def _tile_unions_fwd(
+    bt_ptr,
+    ctx_ptr,
+    union_ptr,
+    count_ptr,
+    rowpages_ptr,
+    whole_ptr,
+    live_ptr,
+    plain_ptr,
+    n_rows,
+    width,
+    num_pages,
+    stride_bh,
+    stride_bn,
+    stride_bw,
+    stride_ch,
+    stride_cn,
+    T: tl.constexpr,
+    W_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    KEY32: tl.constexpr,
+):
+    """One program per (tile, KV head): :func:`_tile_union`."""
+    table = (bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width)
+    tables = (union_ptr, count_ptr, rowpages_ptr, whole_ptr, live_ptr, plain_ptr)
+    tile, h, tiles = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+    _tile_union(table, tables, tile, h, tiles, n_rows, num_pages, (0, 0, 0), T, W_PAD, PAGE, KEY32, False)
 
 
 def tile_unions_kernel(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pages: int, tile_rows: int):
@@ -237,16 +274,9 @@ def tile_unions_kernel(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pa
     4-row tiles), else int64; four warps sort up to 512 entries, eight more. Measured on an H100 (4096-token
     chunk at 32K, graph): 0.055 ms, where int64 keys, eight warps, atomics into zero-filled tables took 0.118 ms."""
     hkv, n, width = sparse_bt.shape
-    tiles = max(1, math.ceil(n / tile_rows))
-    u = tile_rows * width
-    dev = sparse_bt.device
-    union = torch.empty(hkv, tiles, u, dtype=torch.int32, device=dev)
-    count = torch.empty(hkv, tiles, dtype=torch.int32, device=dev)
-    row_pages = torch.empty(hkv, tiles, dtype=torch.int32, device=dev)
-    whole = torch.empty(hkv, tiles, u, tile_rows, dtype=torch.int32, device=dev)
-    live = torch.empty(hkv, tiles, u, dtype=torch.int32, device=dev)
-    plain = torch.empty(hkv, tiles, u, dtype=torch.int32, device=dev)
-    tables = (union, count, row_pages, whole, live, plain)
+    tables = _empty_tables(sparse_bt, tile_rows)
+    union, count, row_pages = tables[:3]
+    tiles = union.shape[1]
     if width == 0 or n == 0:
         union.fill_(-1)
         count.zero_()
@@ -264,10 +294,30 @@ def tile_unions_kernel(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pa
         T=tile_rows,
         W_PAD=next_power_of_2(width),
         PAGE=PAGE_SIZE,
-        KEY32=num_pages * tile_rows * 32 < 2**31 - 1,
+        KEY32=_key32(num_pages, tile_rows),
         num_warps=4 if tile_rows * next_power_of_2(width) <= 512 else 8,
     )
     return tables
+
+
+def _empty_tables(sparse_bt: torch.Tensor, tile_rows: int) -> tuple:
+    """The pre-pass's tables (as :func:`tile_unions` returns them), allocated, not filled."""
+    hkv, n, width = sparse_bt.shape
+    tiles = max(1, math.ceil(n / tile_rows))
+    u = tile_rows * width
+    new = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=sparse_bt.device)  # noqa: E731
+    return (
+        new(hkv, tiles, u),
+        new(hkv, tiles),
+        new(hkv, tiles),
+        new(hkv, tiles, u, tile_rows),
+        *(new(hkv, tiles, u) for _ in range(2)),
+    )
+
+
+def _key32(num_pages: int, tile_rows: int) -> bool:
+    """Whether the pre-pass's sort keys (page, row, tokens) fit in int32."""
+    return num_pages * tile_rows * 32 < 2**31 - 1
 
 
 def neighbour_share(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor) -> torch.Tensor:
@@ -288,6 +338,24 @@ def neighbour_share(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor) -> torch.
     cur_used, prev_used = used[:, 1:], used[:, :-1]
     hit = ((cur.unsqueeze(-1) == prev.unsqueeze(-2)) & prev_used.unsqueeze(-2)).any(-1) & cur_used
     return hit.sum().float() / cur_used.sum().clamp(min=1).float()
+
+
+@triton.jit
+def _step_pages(union, start, num_pages, PAGES: tl.constexpr, PAGE: tl.constexpr, PLAIN_STEPS: tl.constexpr):
+    """What a tile step over union pages ``start ..`` reads: per token its page (int64) and whether some
+    row attends it (in the cache, within the page's live tokens), and whether the step is plain."""
+    union_row, count, whole_tile, live_row, plain_row = union
+    offs_p = tl.arange(0, PAGES)
+    p_ok = start + offs_p < count
+    # every row attends every token of the step once (pages the tile shares whole): no weights
+    plain = tl.min(tl.load(plain_row + start + offs_p, mask=p_ok, other=0), 0) == 1
+    plain = plain & PLAIN_STEPS
+    tok = tl.arange(0, PAGES * PAGE)
+    at = start + tok // PAGE
+    page = tl.load(union_row + at, mask=at < count, other=-1).to(tl.int64)
+    live = tl.load(live_row + at, mask=at < count, other=0)  # tokens of the page some row reads
+    ok = (page >= 0) & (page < num_pages) & (tok % PAGE < live)  # tokens nobody attends are never read
+    return page, ok, plain
 
 
 @triton.jit
@@ -313,19 +381,12 @@ def _tile_step(
     k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr = cache
     union_row, count, whole_tile, live_row, plain_row = union
     tail_page, tail_len = tail
+    page, ok, plain = _step_pages(union, start, num_pages, PAGES, PAGE, PLAIN_STEPS)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     offs_p = tl.arange(0, PAGES)
     p_ok = start + offs_p < count
-    # every row attends every token of the step once (pages the tile shares whole): no weights
-    plain = tl.min(tl.load(plain_row + start + offs_p, mask=p_ok, other=0), 0) == 1
-    plain = plain & PLAIN_STEPS
-
     tok = tl.arange(0, BLOCK_N)
-    at = start + tok // PAGE
-    page = tl.load(union_row + at, mask=at < count, other=-1).to(tl.int64)
-    live = tl.load(live_row + at, mask=at < count, other=0)  # tokens of the page some row reads
-    ok = (page >= 0) & (page < num_pages) & (tok % PAGE < live)  # tokens nobody attends are never read
     row = (tok % PAGE).to(tl.int64)
     kv_mask = ok[:, None] & d_ok[None, :]
     k = tl.load(k_head + (page * stride_kp + row * stride_kr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -496,6 +557,11 @@ def _tiled_fwd(
     plain_ptr,
     o_ptr,
     lse_ptr,
+    flags_ptr,  # CHECK: [2] int32 value-check flags (see _tile_union)
+    launches_ptr,
+    done_ptr,  # CHECK: the launch counter and the done word (see mm3lab._valcheck.signal_done)
+    page_mod,
+    page_mod_limit,
     n_rows,
     num_pages,
     width,
@@ -534,6 +600,10 @@ def _tiled_fwd(
     PAGE: tl.constexpr,
     MODE: tl.constexpr,  # 0: per tile by the rule, 1: always the union walk, 2: always row by row
     PLAIN_STEPS: tl.constexpr,  # skip the weights in steps whose pages every row reads whole, once
+    FUSED: tl.constexpr,  # each program runs its tile's pre-pass itself (_tile_union), no pre-pass launch
+    W_PAD: tl.constexpr,  # FUSED: the table width padded to a power of two
+    KEY32: tl.constexpr,  # FUSED: int32 sort keys (see _tile_union)
+    CHECK: tl.constexpr,  # FUSED: the pre-pass runs the call's value checks and signals the host
     WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -545,8 +615,20 @@ def _tiled_fwd(
     row0 = tile * T
 
     tiles = (n_rows + T - 1) // T
-    count = tl.load(count_ptr + h * tiles + tile)
-    row_pages = tl.load(rowpages_ptr + h * tiles + tile)
+    table = (bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width)
+    if FUSED:  # this program's own pre-pass, read back below by the same program (after a barrier)
+        tables = (union_ptr, count_ptr, rowpages_ptr, whole_ptr, live_ptr, plain_ptr)
+        check = (flags_ptr, page_mod, page_mod_limit)
+        count, row_pages = _tile_union(
+            table, tables, tile, h, tiles, n_rows, num_pages, check, T, W_PAD, PAGE, KEY32, CHECK
+        )
+        if CHECK:  # (the flags are final once every program is past here: the host need not wait for more)
+            signal_done(launches_ptr, done_ptr)
+        else:
+            tl.debug_barrier()
+    else:
+        count = tl.load(count_ptr + h * tiles + tile)
+        row_pages = tl.load(rowpages_ptr + h * tiles + tile)
     if MODE == 1:
         walk_union = True
     elif MODE == 2:
@@ -556,7 +638,6 @@ def _tiled_fwd(
 
     query = (q_ptr, stride_qn, stride_qh, stride_qd, qk_scale)
     cache = (k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr)
-    table = (bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width)
     outs = (o_ptr, stride_on, stride_oh, lse_ptr, stride_ln, stride_lh)
     union_row = union_ptr + h.to(tl.int64) * stride_uh + tile.to(tl.int64) * stride_ut
     rows = (h, row0, n_rows, group, union_row, count)
@@ -634,6 +715,7 @@ def tiled_attention_kernel(
     num_stages: int | None = None,
     plain_steps: bool = True,
     prepass: str | None = None,
+    check=None,
 ) -> None:
     """Launch the pre-pass and the tiled kernel. Arguments are already validated.
 
@@ -643,9 +725,15 @@ def tiled_attention_kernel(
         tile_rows, pages_per_step, num_warps, num_stages: override :func:`tiled_config` (tests, tuning).
         plain_steps: skip the per-token weights in steps whose pages every row of the tile reads whole,
             once (the result is the same; tests and tuning turn it off).
-        prepass: ``"kernel"`` (:func:`tile_unions_kernel`) or ``"torch"`` (:func:`tile_unions`): the same
-            tables. Default: the kernel, compiled; PyTorch under the interpreter (a named fallback,
-            ``tile-prepass-interpreter``, as its sort is slow there).
+        prepass: ``"fused"`` (each program of the tiled kernel runs its tile's :func:`tile_unions_kernel`
+            itself: one launch), ``"kernel"`` (:func:`tile_unions_kernel`, a launch of its own) or
+            ``"torch"`` (:func:`tile_unions`): the same tables, so the same bits. Default: fused, compiled;
+            PyTorch under the interpreter (a named fallback, ``tile-prepass-interpreter``, as its sort is
+            slow there).
+        check: ``None``, or ``(fused, page_mod, page_mod_limit)`` as ``sparse_attention_kernel``'s: the
+            fused pre-pass also runs the call's value checks on the entries it reads (every ctx and every
+            used page id), sets the flags and says when they are all set; needs ``prepass="fused"``
+            and ``W > 0``.
     """
     n_rows, hq, d = q.shape
     hkv, _, width = sparse_bt.shape
@@ -658,12 +746,23 @@ def tiled_attention_kernel(
         raise ValueError(f"tile_rows: {t} rows x group {gp} is below 16 query vectors (tl.dot's minimum)")
     num_pages = readable_pages(k_cache, v_cache)
     if prepass is None:
-        prepass = "kernel"
+        prepass = "fused"
         if backend.INTERPRETER:
             prepass = "torch"
             backend.fallback_taken("sparse_attention", "tile-prepass-interpreter")
-    prepass_fn = {"kernel": tile_unions_kernel, "torch": tile_unions}[prepass]
-    tables = prepass_fn(sparse_bt, sparse_ctx, num_pages, t)  # union, count, row_pages, whole, live, plain
+    fused = prepass == "fused" and width > 0
+    if check is not None and not fused:
+        raise ValueError(f"check: runs in the fused pre-pass only (prepass {prepass!r}, width {width})")
+    if check is not None:
+        (flags, launches, done), page_mod, page_mod_limit = check
+    else:  # (never read without CHECK)
+        flags = launches = done = sparse_bt
+        page_mod = page_mod_limit = 1
+    if fused:
+        tables = _empty_tables(sparse_bt, t)  # the tiled kernel fills them, each program its tile's
+    else:
+        prepass_fn = {"kernel": tile_unions_kernel, "torch": tile_unions, "fused": tile_unions_kernel}[prepass]
+        tables = prepass_fn(sparse_bt, sparse_ctx, num_pages, t)  # union, count, row_pages, whole, live, plain
     union, whole = tables[0], tables[3]
     tiles = union.shape[1]
     d_pad = max(16, next_power_of_2(d))
@@ -682,6 +781,11 @@ def tiled_attention_kernel(
         *tables,
         out,
         lse_arg,
+        flags,
+        launches,
+        done,
+        page_mod,
+        page_mod_limit,
         n_rows,
         num_pages,
         width,
@@ -711,6 +815,10 @@ def tiled_attention_kernel(
         PAGE=PAGE_SIZE,
         MODE={"auto": 0, "union": 1, "rows": 2}[mode],
         PLAIN_STEPS=plain_steps,
+        FUSED=fused,
+        W_PAD=next_power_of_2(max(width, 1)),
+        KEY32=_key32(num_pages, t),
+        CHECK=check is not None,
         WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=backend.INTERPRETER,

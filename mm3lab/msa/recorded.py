@@ -179,7 +179,7 @@ def _build(args):
         plan._check_inputs({name: getattr(args, name) for name in _TENSORS}, caches)  # metadata only
     except (TypeError, ValueError):  # (e.g. index_q's dtype differs from q's over FP8 caches)
         return None
-    if not plan.uses_kernels or plan.algorithm is None:
+    if not plan.uses_kernels:
         return None
     plan._caches = None  # (used only at construction and by the checks the one-shot call has made)
     plan.out = None  # (each call gets its own)
