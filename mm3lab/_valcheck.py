@@ -61,6 +61,7 @@ __all__ = [
     "replay_checked",
     "reset_stats",
     "signal_done",
+    "signal_done_of",
     "stats",
     "wait_done",
 ]
@@ -307,8 +308,14 @@ def signal_done(count_ptr, done_ptr):
     Ordering: a program's flag stores come before its release of the counter (a barrier first, so
     every thread's stores count), and the last program acquires the counter before its release
     store of ``done``; all at system scope, the host being the reader."""
+    signal_done_of(count_ptr, done_ptr, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
+
+
+@triton.jit
+def signal_done_of(count_ptr, done_ptr, total):
+    """:func:`signal_done` for a launch where only ``total`` of its programs check values (each calls this
+    once, after writing its flags; the others never do)."""
     tl.debug_barrier()
-    total = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="sys")
     last = ticket == total - 1
     tl.atomic_xchg(count_ptr, 0, mask=last, sem="relaxed", scope="gpu")

@@ -153,6 +153,23 @@ def test_each_kind_of_bad_entry_is_flagged_where_it_is_read(device, layout, spli
     _flags_match_the_checks(device, layout, 3, 3, splits, 11, [spoil])
 
 
+@pytest.mark.parametrize("spoil", SINGLE_SPOILS[::2])
+def test_one_checker_program_checks_the_whole_tiled_launch(device, spoil, monkeypatch):
+    """The tiled launch's first ``CHECKERS`` programs check every row; the others only attend."""
+    monkeypatch.setattr(tiled, "CHECKERS", 1)
+    _flags_match_the_checks(device, "packed", 3, 3, "tiled", 5, [spoil])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("checkers", [1, 3, 128])
+def test_tiled_checkers_share_many_chunks(checkers, monkeypatch):
+    """Many rows (several chunks per checker, more programs than checkers): each spoiled entry is found."""
+    monkeypatch.setattr(tiled, "CHECKERS", checkers)
+    for case, spoil in enumerate([("ctx", 1, 517, 10**6), ("page", 0, 333, 7, 0), ("page", 1, 598, 2, 1), None]):
+        _flags_match_the_checks("cuda", ["dense", "packed"][case % 2], 600, 2, "tiled", case, [spoil] if spoil else [])
+
+
 def _flags_match_the_checks(device, layout, n, topk, splits, seed, spoils):
     g = torch.Generator().manual_seed(seed)
     cache, q, bt, ctx = _table(layout, n, topk, g, device)
