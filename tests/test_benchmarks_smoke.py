@@ -326,3 +326,16 @@ def test_the_eager_ab_runs_every_arm_and_keeps_nothing_changed(capsys):
     want = {(e, a, v) for e, names in eager_ab.ARMS.items() for a in names for v in (True, False)}
     assert arms == want - {("msa_decode", "own", False)}
     assert attn_kernel.OWN_MERGE is True and _valcheck.KNOWN_CHECKS == 16
+
+
+def test_the_tiled_variants_run_and_agree(capsys):
+    """``python -m benchmarks.tiled_variants --dry-run``: its arms and the per-row kernel run on a small
+    chunk; the union walk (every tile of that selection walks its union) gives the default's bits."""
+    from benchmarks import tiled_variants
+
+    assert tiled_variants.main(["--dry-run"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    records = {r["arm"]: r for r in map(ast.literal_eval, lines)}
+    assert set(records) == {"default", "union", "per_row"}
+    assert records["union"]["max_abs_vs_default"] == 0
+    assert records["per_row"]["max_abs_vs_default"] < 1e-5

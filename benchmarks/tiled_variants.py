@@ -1,0 +1,150 @@
+"""The tiled prefill kernel's settings side by side: ``python3 -m benchmarks.tiled_variants``.
+
+One 4096-token chunk at 32K context (the ``attention_prefill`` suite's problem: bf16, 64 query /
+4 KV heads, head dim 128, top-k 16) for each selection (``random``, ``tile``, ``synthetic``), and
+``mm3lab.attention.tiled.tiled_attention_kernel`` launched directly (validation off) with each arm,
+timed as a CUDA-graph replay over rotating input sets (cold L2), median and cv:
+
+``default``
+    what ``sparse_attention`` runs from 1024 rows: the fused pre-pass, the rule (``mode="auto"``,
+    two launches), the default tile;
+``prepass_kernel``
+    the pre-pass as a launch of its own (``prepass="kernel"``);
+``union`` / ``rows``
+    every tile walks its union / its rows (``mode``);
+``factor_<f>``
+    the rule's ``row_mode_factor`` (the default: :data:`mm3lab.attention.tiled.ROW_MODE_FACTOR`);
+``t<T>_w<warps>_p<pages>_s<stages>``
+    other tile shapes (rows per tile, warps, union pages per step, pipeline stages);
+``per_row``
+    the per-row kernel (``sparse_attention(..., algorithm="rows")``), the previous prefill path.
+
+Each record has the arm's output's largest difference from the default arm's (``max_abs_vs_default``;
+0 for the arms that must give the same bits: the pre-pass and the rule only choose how the same
+steps run). ``--dry-run``: tiny shapes on the CPU (the code path only, eager timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import mm3lab
+from mm3lab.attention import tiled
+
+from . import suites
+from .common import RESULTS_DIR, Context, _triton_version
+from .prefill import prefill_problem
+
+SELECTIONS = ("tile", "synthetic", "random")
+
+ARMS = {
+    "default": {},
+    "prepass_kernel": {"prepass": "kernel"},
+    "union": {"mode": "union"},
+    "rows": {"mode": "rows"},
+    "factor_0.7": {"row_mode_factor": 0.7},
+    "factor_0.9": {"row_mode_factor": 0.9},
+    "t8_w8_p4_s2": {"tile_rows": 8, "num_warps": 8, "pages_per_step": 4, "num_stages": 2},
+    "t4_w4_p2_s2": {"tile_rows": 4, "num_warps": 4, "pages_per_step": 2, "num_stages": 2},
+    "t4_w4_p4_s3": {"tile_rows": 4, "num_warps": 4, "pages_per_step": 4, "num_stages": 3},
+}
+"""Arm -> ``tiled_attention_kernel`` keyword arguments."""
+
+SAME_BITS = ("prepass_kernel", "factor_0.7", "factor_0.9")
+"""Arms whose output must equal the default's bit for bit (where every tile walks as in the default)."""
+
+
+def _calls(p: dict, outs: list, arm: str) -> list:
+    """The arm's calls, one per input set (the tiled arms write into ``outs``)."""
+    kc, vc, sbt, sctx = p["cache"].k_cache, p["cache"].v_cache, p["sparse_bt"], p["sparse_ctx"]
+    if arm == "per_row":
+        return [lambda q=q: mm3lab.sparse_attention(q, kc, vc, sbt, sctx, algorithm="rows") for q in p["qs"]]
+    kw, scale = ARMS[arm], p["qs"][0].shape[-1] ** -0.5
+    return [
+        lambda q=q, o=o: tiled.tiled_attention_kernel(q, kc, vc, sbt, sctx, scale, o, None, **kw)
+        for q, o in zip(p["qs"], outs, strict=True)
+    ]
+
+
+def run(ctx: Context, selections=SELECTIONS, arms=None) -> list[dict]:
+    s = ctx.shapes
+    arms = arms or list(ARMS)
+    records = []
+    for kind in selections:
+        p = prefill_problem(ctx, kind, s.prefill_chunk, s.prefill_context)
+        outs = [torch.empty_like(q) for q in p["qs"]]
+        default = None
+        for name in [*arms, "per_row"]:
+            fns = _calls(p, outs, name)
+            with mm3lab.validation(False):
+                got = fns[0]()
+                got = (outs[0] if got is None else got).clone()
+                if default is None:
+                    default = got
+                timing = ctx.graph(fns) if ctx.cuda else ctx.eager(fns)
+            records.append(
+                {
+                    "selection": kind,
+                    "arm": name,
+                    "kwargs": ARMS.get(name, {"algorithm": "rows"}),
+                    "mode": "graph" if ctx.cuda else "eager",
+                    "ms": round(timing.ms, 5),
+                    "cv": round(timing.cv, 4),
+                    "max_abs_vs_default": float((got.float() - default.float()).abs().max()),
+                }
+            )
+            print(records[-1], flush=True)
+        del p, outs
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+    return records
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="results file (default benchmarks/results/tiled-variants/<gpu>.json)")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, no results kept")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        ctx = Context("cpu", "cpu-dry-run", None, True, True, calls=1, samples=1, shapes=suites.dry_run_shapes())
+        selections, arms = ("tile",), ["default", "union"]
+    elif torch.cuda.is_available():
+        ctx = Context("cuda", torch.cuda.get_device_name(0), None, False, calls=20, samples=9)
+        ctx.shapes = suites.model_shapes(False)
+        selections, arms = SELECTIONS, None
+    else:
+        print("needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+        return 2
+    started = time.time()
+    records = run(ctx, selections, arms)
+    for r in records:
+        if r["arm"] in SAME_BITS and r["max_abs_vs_default"] != 0:
+            print(f"note: {r['arm']} ({r['selection']}) differs from the default", file=sys.stderr)
+    meta = {
+        "gpu": ctx.gpu,
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "method": "CUDA-graph replay of tiled_attention_kernel (validation off), calls rotating over input "
+        "sets (cold L2), median over samples and cv",
+        "calls_per_sample": ctx.calls,
+        "samples": ctx.samples,
+        "seconds": round(time.time() - started, 1),
+    }
+    if not args.dry_run:
+        # (a folder of its own: the suites' results are the *.json files of benchmarks/results itself)
+        name = f"{ctx.gpu.replace(' ', '-').lower()}.json"
+        out = Path(args.out) if args.out else RESULTS_DIR / "tiled-variants" / name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
