@@ -360,6 +360,16 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
+def write_side_results(folder: str, gpu: str, out: str | None, meta: dict, records: list) -> Path:
+    """Write a side study's ``{"meta", "records"}`` to ``out`` or ``benchmarks/results/<folder>/<gpu>.json``
+    (a folder of its own: the suites' results are the ``*.json`` files of ``benchmarks/results`` itself)."""
+    path = Path(out) if out else RESULTS_DIR / folder / f"{gpu.replace(' ', '-').lower()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
 def results_path(gpu: str) -> Path:
     """``benchmarks/results/<gpu>.json`` (``NVIDIA H200`` -> ``nvidia-h200.json``)."""
     slug = gpu.lower().replace("nvidia ", "nvidia-").replace(" ", "-")

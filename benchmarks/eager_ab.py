@@ -23,11 +23,9 @@ call memos and recorded steps are cleared before every arm. ``--dry-run``: tiny 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -37,7 +35,7 @@ from mm3lab.attention import kernel as attn_kernel
 from mm3lab.msa import recorded
 
 from . import suites
-from .common import RESULTS_DIR, Context, _triton_version
+from .common import Context, _triton_version, write_side_results
 
 ARMS = {
     "sparse_attention": {"own": (True, True), "launch": (False, True)},
@@ -142,11 +140,7 @@ def main(argv=None) -> int:
     for r in records:
         print(r)
     if not args.dry_run:
-        # (a folder of its own: the suites' results are the *.json files of benchmarks/results itself)
-        out = Path(args.out) if args.out else RESULTS_DIR / "eager-ab" / f"{ctx.gpu.replace(' ', '-').lower()}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
-        print(f"wrote {out}")
+        write_side_results("eager-ab", ctx.gpu, args.out, meta, records)
     return 0
 
 

@@ -27,10 +27,8 @@ steps run). ``--dry-run``: tiny shapes on the CPU (the code path only, eager tim
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -38,7 +36,7 @@ import mm3lab
 from mm3lab.attention import tiled
 
 from . import suites
-from .common import RESULTS_DIR, Context, _triton_version
+from .common import Context, _triton_version, write_side_results
 from .prefill import prefill_problem
 
 SELECTIONS = ("tile", "synthetic", "random")
@@ -137,12 +135,7 @@ def main(argv=None) -> int:
         "seconds": round(time.time() - started, 1),
     }
     if not args.dry_run:
-        # (a folder of its own: the suites' results are the *.json files of benchmarks/results itself)
-        name = f"{ctx.gpu.replace(' ', '-').lower()}.json"
-        out = Path(args.out) if args.out else RESULTS_DIR / "tiled-variants" / name
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
-        print(f"wrote {out}")
+        write_side_results("tiled-variants", ctx.gpu, args.out, meta, records)
     return 0
 
 

@@ -366,8 +366,8 @@ def neighbour_share(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor) -> torch.
     """How much consecutive rows share: the fraction of rows' used 128-token slots (``W / 8`` per row)
     whose first page also starts a used slot of the previous row (same KV head). A 0-dim float32
     tensor on the tables' device: about ``1 / topk`` for independent random selections, near 1 when
-    neighbours select the same blocks. Cheap (``[Hkv, N, topk, topk]`` comparisons); a speed
-    heuristic only, never a correctness condition.
+    neighbours select the same blocks. Cheap (``[Hkv, N, topk, topk]`` comparisons); it describes a
+    selection (the benchmarks record it); the kernels choose per tile on the device instead.
     """
     _, n, width = sparse_bt.shape
     per = 8  # pages per 128-token slot (SPEC section 3)
