@@ -599,7 +599,7 @@ def _tiled_fwd(
     plain_ptr,
     o_ptr,
     lse_ptr,
-    flags_ptr,  # CHECK: [2] int32 value-check flags (see _tile_union)
+    flags_ptr,  # CHECK: [2] int32 value-check flags (see _check_tables)
     launches_ptr,
     done_ptr,  # CHECK: the launch counter and the done word (see mm3lab._valcheck.signal_done)
     page_mod,
@@ -829,57 +829,68 @@ def tiled_attention_kernel(
     lse_arg = lse if lse is not None else out
     # the configured pipeline depth, or (not given) the tile's default, coming down to 1 where it does not fit
     depths = (num_stages,) if num_stages else range(cfg["num_stages"], 0, -1)
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        sparse_bt,
+        sparse_ctx,
+        *tables,
+        out,
+        lse_arg,
+        flags,
+        launches,
+        done,
+        page_mod,
+        page_mod_limit,
+        min(tiles * hkv, CHECKERS),
+        n_rows,
+        num_pages,
+        width,
+        scale * LOG2E,
+        float(row_mode_factor),
+        *q.stride(),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        *sparse_bt.stride(),
+        *sparse_ctx.stride(),
+        union.stride(0),
+        union.stride(1),
+        whole.stride(0),
+        whole.stride(1),
+        out.stride(0),
+        out.stride(1),
+        hq if lse is None else lse.stride(0),
+        1 if lse is None else lse.stride(1),
+        group,
+    )
+    w_pad = next_power_of_2(max(width, 1))
+    constexprs = dict(
+        T=t,
+        GP=gp,
+        GP16=max(16, gp),
+        D=d,
+        D_PAD=d_pad,
+        PAGES=pages,
+        ROW_BLOCK_N=row_block_n,
+        PAGE=PAGE_SIZE,
+        PLAIN_STEPS=plain_steps,
+        W_PAD=w_pad,
+        KEY32=_key32(num_pages, t),
+        CHECK_ROWS=max(1, 2048 // w_pad),
+        WRITE_LSE=lse is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INTERPRETED=backend.INTERPRETER,
+        num_warps=num_warps or cfg["num_warps"],
+    )
     # "auto": one launch for the tiles that walk their union (it runs the fused pre-pass and the checks),
     # then one for the tiles that walk their rows (it reads the pre-pass's counts and skips the others)
     modes = {"union": (1,), "rows": (2,), "auto": (3, 4)}[mode]
     for i, launch_mode in enumerate(modes):
-        _launch_tiled(
-            depths,
-            (tiles, hkv),
-            (q, k_cache, v_cache, sparse_bt, sparse_ctx, *tables, out, lse_arg, flags, launches, done),
-            (page_mod, page_mod_limit, min(tiles * hkv, CHECKERS), n_rows, num_pages, width),
-            (scale * LOG2E, float(row_mode_factor)),
-            (
-                *q.stride(),
-                *k_cache.stride()[:3],
-                *v_cache.stride()[:3],
-                *sparse_bt.stride(),
-                *sparse_ctx.stride(),
-                union.stride(0),
-                union.stride(1),
-                whole.stride(0),
-                whole.stride(1),
-                out.stride(0),
-                out.stride(1),
-                hq if lse is None else lse.stride(0),
-                1 if lse is None else lse.stride(1),
-                group,
-            ),
-            T=t,
-            GP=gp,
-            GP16=max(16, gp),
-            D=d,
-            D_PAD=d_pad,
-            PAGES=pages,
-            ROW_BLOCK_N=row_block_n,
-            PAGE=PAGE_SIZE,
-            MODE=launch_mode,
-            PLAIN_STEPS=plain_steps,
-            FUSED=fused and i == 0,
-            W_PAD=next_power_of_2(max(width, 1)),
-            KEY32=_key32(num_pages, t),
-            CHECK=check is not None and i == 0,
-            CHECK_ROWS=max(1, 2048 // next_power_of_2(max(width, 1))),
-            WRITE_LSE=lse is not None,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            INTERPRETED=backend.INTERPRETER,
-            num_warps=num_warps or cfg["num_warps"],
+        first = i == 0
+        fitting(_tiled_fwd, "num_stages", depths)[(tiles, hkv)](
+            *args, MODE=launch_mode, FUSED=fused and first, CHECK=check is not None and first, **constexprs
         )
-
-
-def _launch_tiled(depths, grid, tensors, ints, floats, strides, **constexprs) -> None:
-    """One launch of :func:`_tiled_fwd` (the deepest pipeline of ``depths`` that fits)."""
-    fitting(_tiled_fwd, "num_stages", depths)[grid](*tensors, *ints, *floats, *strides, **constexprs)
 
 
 __all__ = [
