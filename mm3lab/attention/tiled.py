@@ -383,24 +383,6 @@ def neighbour_share(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor) -> torch.
 
 
 @triton.jit
-def _step_pages(union, start, num_pages, PAGES: tl.constexpr, PAGE: tl.constexpr, PLAIN_STEPS: tl.constexpr):
-    """What a tile step over union pages ``start ..`` reads: per token its page (int64) and whether some
-    row attends it (in the cache, within the page's live tokens), and whether the step is plain."""
-    union_row, count, whole_tile, live_row, plain_row = union
-    offs_p = tl.arange(0, PAGES)
-    p_ok = start + offs_p < count
-    # every row attends every token of the step once (pages the tile shares whole): no weights
-    plain = tl.min(tl.load(plain_row + start + offs_p, mask=p_ok, other=0), 0) == 1
-    plain = plain & PLAIN_STEPS
-    tok = tl.arange(0, PAGES * PAGE)
-    at = start + tok // PAGE
-    page = tl.load(union_row + at, mask=at < count, other=-1).to(tl.int64)
-    live = tl.load(live_row + at, mask=at < count, other=0)  # tokens of the page some row reads
-    ok = (page >= 0) & (page < num_pages) & (tok % PAGE < live)  # tokens nobody attends are never read
-    return page, ok, plain
-
-
-@triton.jit
 def _tile_step(
     q,  # [T * GP, D_PAD] the tile's query vectors, row-major over (row, head)
     cache,  # (k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr), as in kernel._attend_step
@@ -423,12 +405,19 @@ def _tile_step(
     k_head, v_head, num_pages, stride_kp, stride_kr, stride_vp, stride_vr = cache
     union_row, count, whole_tile, live_row, plain_row = union
     tail_page, tail_len = tail
-    page, ok, plain = _step_pages(union, start, num_pages, PAGES, PAGE, PLAIN_STEPS)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     offs_p = tl.arange(0, PAGES)
     p_ok = start + offs_p < count
+    # every row attends every token of the step once (pages the tile shares whole): no weights
+    plain = tl.min(tl.load(plain_row + start + offs_p, mask=p_ok, other=0), 0) == 1
+    plain = plain & PLAIN_STEPS
+
     tok = tl.arange(0, BLOCK_N)
+    at = start + tok // PAGE
+    page = tl.load(union_row + at, mask=at < count, other=-1).to(tl.int64)
+    live = tl.load(live_row + at, mask=at < count, other=0)  # tokens of the page some row reads
+    ok = (page >= 0) & (page < num_pages) & (tok % PAGE < live)  # tokens nobody attends are never read
     row = (tok % PAGE).to(tl.int64)
     kv_mask = ok[:, None] & d_ok[None, :]
     k = tl.load(k_head + (page * stride_kp + row * stride_kr)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
