@@ -13,6 +13,9 @@ sets, as in the ``attention_decode`` and ``msa_decode`` suites):
 ``msa_decode``
     ``own+kept``: the default; ``own``: the value check's launch built anew every call
     (``mm3lab._valcheck.KNOWN_CHECKS = 0``); ``launch``: that and the merge launch.
+``index_topk_decode``
+    ``memo``: the default (a repeated call shape replays its launches, :func:`mm3lab._replay.memo_call`);
+    ``normal``: every call checked and launched through Triton (``mm3lab._replay.ENABLED = False``).
 
 Validation on and off (``msa_decode``'s ``own`` only on: the kept check launches are a validation
 path), ``mode: "eager"``, and each entry point's CUDA-graph replay once (``mode: "graph"``). The
@@ -40,13 +43,15 @@ from .common import Context, _triton_version, write_side_results
 ARMS = {
     "sparse_attention": {"own": (True, True), "launch": (False, True)},
     "msa_decode": {"own+kept": (True, True), "own": (True, False), "launch": (False, False)},
+    "index_topk_decode": {"memo": (True, True), "normal": (True, True, False)},
 }
-"""Entry point -> arm -> (own merge, kept check launches)."""
+"""Entry point -> arm -> (own merge, kept check launches[, call memos and recorded launches on])."""
 
 
-def _arm(own_merge: bool, kept_checks: bool) -> None:
+def _arm(own_merge: bool, kept_checks: bool, replay: bool = True) -> None:
     attn_kernel.OWN_MERGE = own_merge
     _valcheck.KNOWN_CHECKS = 16 if kept_checks else 0
+    _replay.ENABLED = replay
     _replay.clear_memos()
     recorded.clear()
 
@@ -59,6 +64,12 @@ def _calls(ctx: Context, p: suites.DecodeProblem) -> dict:
             lambda st=st: mm3lab.sparse_attention(st["q"], kc, vc, st["sparse_bt"], st["sparse_ctx"]) for st in p.sets
         ],
         "msa_decode": [lambda st=st: mm3lab.msa_decode(*p.msa_args(st), topk=topk) for st in p.sets],
+        "index_topk_decode": [
+            lambda st=st: mm3lab.index_topk_decode(
+                st["index_q"], p.index_cache, st["block_table"], st["seq_lens"], topk
+            )
+            for st in p.sets
+        ],
     }
 
 

@@ -611,6 +611,7 @@ def _indexer_decode_one(ctx, batch) -> None:
         "dtype": s.dtype_name,
     }
     ctx.compare("indexer_decode", shape, ours, theirs, nbytes, fallback)
+    ctx.compare("indexer_decode_no_replay", shape, _no_replay(ctx, fns, f"indexer b{batch}"), theirs, nbytes)
     _free(ctx)
 
 
@@ -631,9 +632,9 @@ def run_topk(ctx: Context) -> None:
         assert torch.equal(got.long(), ref[0]().indices), "topk_blocks differs from torch.topk"
         ours = _ours(ctx, fns, f"topk r{rows}")
         theirs = {"torch_topk": _theirs(ctx, ref, f"torch.topk r{rows}")}
-        ctx.compare(
-            "topk", {"rows": rows, "width": s.topk_width, "k": s.topk}, ours, theirs, rows * s.topk_width * 4, fallback
-        )
+        shape, nbytes = {"rows": rows, "width": s.topk_width, "k": s.topk}, rows * s.topk_width * 4
+        ctx.compare("topk", shape, ours, theirs, nbytes, fallback)
+        ctx.compare("topk_no_replay", shape, _no_replay(ctx, fns, f"topk r{rows}"), theirs, nbytes)
     _free(ctx)
 
 
@@ -662,14 +663,10 @@ def run_index_cache(ctx: Context) -> None:
         fallback = fallback_reason()
         ours = _ours(ctx, fns, f"insert t{tokens}")
         theirs = {"torch_ops": _theirs(ctx, ref, f"index_copy t{tokens}")}
-        ctx.compare(
-            "index_cache_insert",
-            {"tokens": tokens, "index_dim": s.di, "dtype": s.dtype_name},
-            ours,
-            theirs,
-            tokens * s.di * _elt(dt) * 2 + tokens * 8,
-            fallback,
-        )
+        shape, nbytes = {"tokens": tokens, "index_dim": s.di, "dtype": s.dtype_name}, tokens * s.di * _elt(dt) * 2
+        ctx.compare("index_cache_insert", shape, ours, theirs, nbytes + tokens * 8, fallback)
+        no_replay = _no_replay(ctx, fns, f"insert t{tokens}")
+        ctx.compare("index_cache_insert_no_replay", shape, no_replay, theirs, nbytes + tokens * 8)
     _free(ctx)
 
 

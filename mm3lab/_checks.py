@@ -274,9 +274,11 @@ def value_checks(segments, detail, key=None) -> None:
         raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
 
 
-def check_slots_inside(slot_mapping: torch.Tensor, capacity: int, cache: str) -> None:
+def check_slots_inside(slot_mapping: torch.Tensor, capacity: int, cache: str, key=None) -> None:
     """With validation on: every slot of ``slot_mapping`` below ``capacity``, the slots of ``cache``
-    (negative slots are padding); one launch and one host read. Raises ``ValueError`` naming the row."""
+    (negative slots are padding); one launch and one host read. Raises ``ValueError`` naming the row.
+    ``key``: what fixes ``slot_mapping``'s address and metadata and ``capacity``, if the caller has it
+    (a repeat launches the kept check, :func:`mm3lab._valcheck.flags_known`)."""
     from ._valcheck import Segment
 
     if not validation_enabled() or slot_mapping.numel() == 0:
@@ -290,7 +292,8 @@ def check_slots_inside(slot_mapping: torch.Tensor, capacity: int, cache: str) ->
                 f"{capacity} slots ({capacity // SPARSE_BLOCK_SIZE} blocks of {SPARSE_BLOCK_SIZE})"
             )
 
-    value_checks([Segment("all", slot_mapping, hi=capacity - 1)], detail)
+    segments = lambda: [Segment("all", slot_mapping, hi=capacity - 1)]  # noqa: E731
+    value_checks(segments, detail, None if key is None else ("slots_inside", cache, capacity, key))
 
 
 def raise_first(checks) -> None:

@@ -401,6 +401,39 @@ def record_call(launch, inputs: dict) -> tuple[object, Recording | None]:
     return returned[0], rec
 
 
+def memo_call(memo: Memo, key, *, check, check_values, tensors, launch, result):
+    """One call of an entry point through ``memo``, for an entry point whose value checks run apart from
+    its launches (a check launch and one host read, :func:`mm3lab._valcheck.flags`).
+
+    A kept call shape with a recording runs ``check_values()`` (its key fixed all that the structural
+    checks read), then replays the recording with ``tensors()`` in place, and returns ``result`` of them.
+    Any other call runs ``check()`` (every check) first. A new shape (``key`` not ``None``) then runs
+    ``launch(tensors())`` while recording it and keeps the recording (``None`` where nothing was
+    replayable: a PyTorch path); a shape kept without one, or no key, runs ``launch(None)``.
+
+    Args:
+        memo, key: the entry point's :class:`Memo` and the call's :meth:`Memo.key`.
+        check, check_values: the call's checks, all of them or the value checks alone.
+        tensors: makes the call's tensors by name, its outputs new (one call: its own outputs).
+        launch: the call after its checks; given the tensors, it writes its kernels' outputs into
+            them (given ``None``, it allocates its own) and returns the entry point's result.
+        result: the entry point's result from the tensors of a replayed call.
+    """
+    entry = memo.get(key)
+    if entry is not None and entry.recording is not None:
+        check_values()
+        named = tensors()
+        entry.recording.replay(named, named[next(iter(named))].device, key[0])
+        return result(named)
+    check()
+    if key is None or entry is not None:
+        return launch(None)
+    named = tensors()
+    returned, recording = record_call(lambda: launch(named), named)
+    memo.put(key, recording)
+    return returned
+
+
 _NO_DEVICE_WORK = {
     "empty",
     "empty_strided",
@@ -481,6 +514,7 @@ __all__ = [
     "current_stream",
     "hooks_idle",
     "launch_compiled",
+    "memo_call",
     "record",
     "record_call",
     "supported",

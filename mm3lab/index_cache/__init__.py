@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import backend
-from .._checks import FLOAT_DTYPES, check_device, check_int
+from .. import _replay, backend
+from .._checks import FLOAT_DTYPES, check_device, check_int, check_slots_inside, validation_enabled
 from ..constants import SPARSE_BLOCK_SIZE
 from ..fp8 import FP8_DTYPE
 from ..rows import row_slots
@@ -98,8 +98,26 @@ def insert_index_cache(
             slot vector of the wrong length, a non-contiguous cache head dim, tensors on
             different devices; with validation on, a slot ``>= num_blocks * 128``.
     """
-    check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale)
-    _insert_checked(index_k, index_cache, slot_mapping, index_scale)
+    # a repeated call shape on a GPU: checked once, its launch replayed; the slots checked every call
+    key = _MEMO.key((index_k, slot_mapping), (index_cache, index_scale), (validation_enabled(),))
+    capacity = index_cache_slots(index_cache) if key is not None else 0
+    _replay.memo_call(
+        _MEMO,
+        key,
+        check=lambda: check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale),
+        check_values=lambda: check_slots_inside(
+            slot_mapping, capacity, "the index cache", key=(key, slot_mapping.data_ptr())
+        ),
+        tensors=lambda: dict(
+            index_k=index_k, index_cache=index_cache, slot_mapping=slot_mapping, index_scale=index_scale
+        ),
+        launch=lambda named: _insert_checked(index_k, index_cache, slot_mapping, index_scale),
+        result=lambda named: None,
+    )
+
+
+_MEMO = _replay.Memo("insert_index_cache")
+"""Repeated call shapes of :func:`insert_index_cache` (:class:`mm3lab._replay.Memo`)."""
 
 
 def _insert_checked(index_k, index_cache, slot_mapping, index_scale=None) -> None:

@@ -29,18 +29,28 @@ the block max; the reference dequantizes the keys. Scores agree within
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from typing import NamedTuple
 
 import torch
 
-from .. import backend
+from .. import _replay, backend
+from .._checks import validation_enabled
 from ..block_table import MAX_KERNEL_TOPK, build_sparse_block_table_decode, build_sparse_block_table_prefill
 from ..constants import PAGES_PER_SPARSE_BLOCK
 from ..fp8 import FP8_DTYPE
 from . import reference
-from .checks import NO_TOPK, check_block_page_stride, check_decode, check_prefill, check_topk_scores
+from .checks import (
+    NO_TOPK,
+    check_block_page_stride,
+    check_decode,
+    check_decode_values,
+    check_prefill,
+    check_table_entries,
+    check_topk_scores,
+)
 from .reference import block_score, candidate_blocks, force_scores, select_topk
 
 __all__ = reference.__all__  # the same names: its helpers re-exported, its entry points as kernels
@@ -93,14 +103,15 @@ class _Call(NamedTuple):
             rows = _Rows(a.query_req_id, a.query_abs_pos, 1, True)
         return cls(a.index_q, a.index_cache, a.block_table, rows, a.init_blocks, a.local_blocks, a.index_scale)
 
-    def run(self, entry: str, arguments: dict, checked: bool = False):
+    def run(self, entry: str, arguments: dict, checked: bool = False, outs: dict | None = None):
         """Check the call (unless the caller has: ``checked``), then run ``entry``: the scores kernel
         (then the top-k kernel), or the reference where SPEC 7 says so.
 
         ``arguments``: every argument of the entry point by name; besides the rows and the tensors,
         its own ones: ``forced`` (scores), ``topk``, and ``block_page_stride`` (top-k fused with
-        the sparse block table).
+        the sparse block table). ``outs``: the kernels' output buffers by name (:meth:`tensors`), else new ones.
         """
+        outs = outs or {}
         index_q, index_cache, block_table, rows, init_blocks, local_blocks, index_scale = self
         topk = arguments.get("topk", NO_TOPK)
         block_page_stride = arguments.get("block_page_stride")
@@ -110,11 +121,11 @@ class _Call(NamedTuple):
             return getattr(reference, entry)(**arguments)  # the twin has the same signature
         if block_page_stride is not None and topk > MAX_KERNEL_TOPK:
             backend.fallback_taken(entry, "topk-over-512")
-        scores = self.scores(forced=bool(arguments.get("forced", True)))
+        scores = self.scores(forced=bool(arguments.get("forced", True)), out=outs.get("scores"))
         if topk is NO_TOPK:
             return scores
         table = () if block_page_stride is None else (block_table, block_page_stride)
-        return _topk(scores, topk, rows.req, rows.pos, block_table.shape[0], rows.dql, rows.prefill, *table)
+        return _topk(scores, topk, rows.req, rows.pos, block_table.shape[0], rows.dql, rows.prefill, *table, outs=outs)
 
     def _check(self, topk: int, block_page_stride) -> None:
         """Every check of the call (SPEC 7), ``topk`` and ``block_page_stride`` included where it has them."""
@@ -130,28 +141,81 @@ class _Call(NamedTuple):
         if block_page_stride is not None:
             check_block_page_stride(block_page_stride)
 
-    def scores(self, forced: bool) -> torch.Tensor:
-        """The scores kernel: ``[H, N, M]`` float32, forced (what top-k ranks) or raw."""
+    def memo_key(self, entry: str, arguments: dict):
+        """The call's :class:`mm3lab._replay.Memo` key; ``None`` where the memo does not apply (besides
+        :meth:`mm3lab._replay.Memo.key`'s cases: a top-k wider than the fused table's, which runs the
+        table's own entry point as a second step)."""
+        index_q, index_cache, block_table, rows, init_blocks, local_blocks, index_scale = self
+        topk = arguments.get("topk", NO_TOPK)
+        block_page_stride = arguments.get("block_page_stride")
+        if block_page_stride is not None and (not isinstance(topk, int) or topk > MAX_KERNEL_TOPK):
+            return None
+        per_call = (index_q, block_table, rows.req, rows.pos if rows.prefill else None)
+        scalars = (entry, None if topk is NO_TOPK else topk, rows.dql, init_blocks, local_blocks)
+        scalars += (arguments.get("forced"), block_page_stride, validation_enabled())
+        return _MEMO.key(per_call, (index_cache, index_scale), scalars)
+
+    def check_values(self, key) -> None:
+        """The call's value checks alone, for a repeat of a checked call shape ``key`` (its check launch
+        kept, :func:`mm3lab._valcheck.flags_known`: the key and the addresses fix its segments)."""
+        _, index_cache, block_table, rows, *_ = self
+        known = (key, block_table.data_ptr(), rows.req.data_ptr(), rows.pos.data_ptr())
+        if rows.prefill:
+            check_table_entries(block_table, rows.req, rows.pos, index_cache.shape[0], "the index cache", key=known)
+        else:
+            check_decode_values(index_cache, block_table, rows.req, key=known)
+
+    def tensors(self, arguments: dict) -> dict:
+        """The call's tensors by name (:func:`mm3lab._replay.memo_call`), with new output buffers."""
+        index_q, index_cache, block_table, rows, _, _, index_scale = self
+        named = {"index_q": index_q, "index_cache": index_cache, "block_table": block_table}
+        if rows.prefill:
+            named.update(query_req_id=rows.req, query_abs_pos=rows.pos)
+        else:
+            named["seq_lens"] = rows.req
+        named["index_scale"] = index_scale
+        n, h, _ = index_q.shape
+        topk = arguments.get("topk", NO_TOPK)
+        new = functools.partial(torch.empty, device=index_q.device)
+        if topk is NO_TOPK:
+            named["scores"] = new(h, n, block_table.shape[1], dtype=torch.float32)
+            return named
+        named["topk_idx"] = new(h, n, topk, dtype=torch.int32)
+        if arguments.get("block_page_stride") is not None:
+            named["sparse_bt"] = new(h, n, topk * PAGES_PER_SPARSE_BLOCK, dtype=torch.int32)
+            named["sparse_ctx"] = new(h, n, dtype=torch.int32)
+        return named
+
+    def scores(self, forced: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The scores kernel: ``[H, N, M]`` float32 (into ``out`` where given), forced (what top-k ranks) or raw."""
         from .kernel import index_scores_kernel
 
         index_q, index_cache, block_table, rows, init_blocks, local_blocks, index_scale = self
         n, h, _ = index_q.shape
         if index_scale is not None and backend.INTERPRETER and index_q.dtype == torch.bfloat16:
             index_q = index_q.float()  # exact; the interpreter's bfloat16 arithmetic is not
-        scores = torch.empty(h, n, block_table.shape[1], dtype=torch.float32, device=index_q.device)
+        scores = out
+        if scores is None:
+            scores = torch.empty(h, n, block_table.shape[1], dtype=torch.float32, device=index_q.device)
         index_scores_kernel(
             index_q, index_cache, block_table, *rows, init_blocks, local_blocks, forced, scores, index_scale=index_scale
         )
         return scores
 
 
-def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_page_stride=PAGES_PER_SPARSE_BLOCK):
+def _topk(
+    scores, topk, req, pos, batch, dql, prefill, block_table=None, block_page_stride=PAGES_PER_SPARSE_BLOCK, outs=None
+):
     """The top-k kernel over forced ``scores [H, N, M]``; with a ``block_table``, fused with the sparse
-    block table (SPEC 3) and returning ``(topk_idx, sparse_bt, sparse_ctx)``."""
+    block table (SPEC 3) and returning ``(topk_idx, sparse_bt, sparse_ctx)``. ``outs``: output buffers
+    by name (``topk_idx``, ``sparse_bt``, ``sparse_ctx``), else new ones."""
     from .kernel import topk_kernel
 
     h, n, _ = scores.shape
-    topk_idx = torch.empty(h, n, topk, dtype=torch.int32, device=scores.device)
+    outs = outs or {}
+    topk_idx = outs.get("topk_idx")
+    if topk_idx is None:
+        topk_idx = torch.empty(h, n, topk, dtype=torch.int32, device=scores.device)
     tables = {}
     if block_table is not None and topk > MAX_KERNEL_TOPK:
         # the fused kernel compacts a row in registers (K x K): wider selections take two steps,
@@ -161,11 +225,12 @@ def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_p
             return (topk_idx, *build_sparse_block_table_prefill(topk_idx, block_table, req, pos, block_page_stride))
         return (topk_idx, *build_sparse_block_table_decode(topk_idx, block_table, req, dql, block_page_stride))
     if block_table is not None:
+        sparse_bt, sparse_ctx = outs.get("sparse_bt"), outs.get("sparse_ctx")
+        if sparse_bt is None:
+            sparse_bt = torch.empty(h, n, topk * PAGES_PER_SPARSE_BLOCK, dtype=torch.int32, device=scores.device)
+            sparse_ctx = torch.empty(h, n, dtype=torch.int32, device=scores.device)
         tables = dict(
-            block_table=block_table,
-            block_page_stride=block_page_stride,
-            sparse_bt=torch.empty(h, n, topk * PAGES_PER_SPARSE_BLOCK, dtype=torch.int32, device=scores.device),
-            sparse_ctx=torch.empty(h, n, dtype=torch.int32, device=scores.device),
+            block_table=block_table, block_page_stride=block_page_stride, sparse_bt=sparse_bt, sparse_ctx=sparse_ctx
         )
     topk_kernel(scores, topk, topk_idx, positions=2 if prefill else 1, req=req, pos=pos, batch=batch, dql=dql, **tables)
     if block_table is None:
@@ -174,8 +239,33 @@ def _topk(scores, topk, req, pos, batch, dql, prefill, block_table=None, block_p
 
 
 def _run(entry: str, arguments: dict):
-    """Check and run the entry point ``entry``; ``arguments``: all of its arguments by name (its ``locals()``)."""
-    return _Call.of(arguments).run(entry, arguments)
+    """Check and run the entry point ``entry``; ``arguments``: all of its arguments by name (its ``locals()``).
+
+    A repeated call shape on a GPU is checked once and its launches replayed (:data:`_MEMO`); its
+    value checks run on every call."""
+    call = _Call.of(arguments)
+    key = call.memo_key(entry, arguments)
+    return _replay.memo_call(
+        _MEMO,
+        key,
+        check=lambda: call._check(arguments.get("topk", NO_TOPK), arguments.get("block_page_stride")),
+        check_values=lambda: call.check_values(key),
+        tensors=lambda: call.tensors(arguments),
+        launch=lambda named: call.run(entry, arguments, checked=True, outs=named),
+        result=_result,
+    )
+
+
+def _result(named: dict):
+    """A replayed call's result from its tensors (:meth:`_Call.tensors`)."""
+    if "sparse_bt" in named:
+        return named["topk_idx"], named["sparse_bt"], named["sparse_ctx"]
+    return named["topk_idx"] if "topk_idx" in named else named["scores"]
+
+
+_MEMO = _replay.Memo("indexer")
+"""Repeated call shapes of the indexer entry points: checked once, the launches replayed on a GPU
+(:class:`mm3lab._replay.Memo`; each call's value checks still run, in one check launch)."""
 
 
 def _checked_entry(entry: str):
@@ -371,12 +461,34 @@ def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
     check_topk_scores(scores, topk)
     if scores.shape[-1] == 0 or scores.numel() == 0:  # no candidates (or no rows): all -1
         return torch.full((*scores.shape[:-1], topk), -1, dtype=torch.int32, device=scores.device)
-    if not backend.use_kernel(scores, entry_point="topk_blocks", fallback=backend.bf16_interpreted(scores.dtype)):
-        return reference.topk_blocks(scores, topk)
-    from .kernel import topk_kernel
+    shape = (*scores.shape[:-1], topk)
 
-    w = scores.shape[-1]
-    rows = scores.reshape(1, -1, w)
-    out = torch.empty(rows.shape[1], topk, dtype=torch.int32, device=scores.device)
-    topk_kernel(rows, topk, out)
-    return out.reshape(*scores.shape[:-1], topk)
+    def tensors() -> dict:
+        rows = scores.reshape(1, -1, scores.shape[-1])  # (a view where it can be, else a copy: made every call)
+        return {"rows": rows, "topk_idx": torch.empty(rows.shape[1], topk, dtype=torch.int32, device=scores.device)}
+
+    def launch(named):
+        if not backend.use_kernel(scores, entry_point="topk_blocks", fallback=backend.bf16_interpreted(scores.dtype)):
+            return reference.topk_blocks(scores, topk)
+        from .kernel import topk_kernel
+
+        named = named or tensors()
+        topk_kernel(named["rows"], topk, named["topk_idx"])
+        return named["topk_idx"].view(shape)
+
+    # a repeated call shape on a GPU: its launch replayed (the checks above read metadata only)
+    key = _TOPK_MEMO.key((scores,), (), (topk,))
+    none = lambda: None  # noqa: E731
+    return _replay.memo_call(
+        _TOPK_MEMO,
+        key,
+        check=none,
+        check_values=none,
+        tensors=tensors,
+        launch=launch,
+        result=lambda named: named["topk_idx"].view(shape),
+    )
+
+
+_TOPK_MEMO = _replay.Memo("topk_blocks")
+"""Repeated call shapes of :func:`topk_blocks` (:class:`mm3lab._replay.Memo`)."""

@@ -91,27 +91,31 @@ def _table_entries_check(block_table, blocks_used, num_blocks, cache: str = "the
     )
 
 
-def check_table_entries(block_table, req, pos, num_blocks: int, cache: str, seq_lens=None) -> None:
+def check_table_entries(block_table, req, pos, num_blocks: int, cache: str, seq_lens=None, key=None) -> None:
     """Rows ``(req[n], pos[n])`` (negative ``pos`` = padded) against a block table and a cache of ``num_blocks``.
 
     Raises ``ValueError`` for a live row whose request is outside the table (names
     ``query_req_id``), a position past the table (``seq_lens`` when given, else
     ``query_abs_pos``), or a table entry that a live row reads (logical blocks ``0 .. p // 128``
     of its request) outside ``[0, num_blocks)`` (``block_table``). One launch and one host read in all;
-    nothing runs with validation off (the kernels mask these reads).
+    nothing runs with validation off (the kernels mask these reads). ``key``: what fixes the tensors'
+    addresses and metadata and the bounds, if the caller has it (a repeat launches the kept check,
+    :func:`mm3lab._valcheck.flags_known`).
     """
     if not validation_enabled() or pos.numel() == 0:
         return
     b, m = block_table.shape
     capacity = m * SPARSE_BLOCK_SIZE
-    segments = [
-        Segment("live", req, lo=0, hi=b - 1, aux=pos),
-        Segment("all", seq_lens, hi=capacity) if seq_lens is not None else None,
-        Segment("live", pos, hi=capacity - 1, aux=pos),
-        Segment("gather", block_table, lo=0, hi=num_blocks - 1, aux=req, pos=pos, unit=SPARSE_BLOCK_SIZE)
-        if m
-        else None,
-    ]
+
+    def segments() -> list:
+        return [
+            Segment("live", req, lo=0, hi=b - 1, aux=pos),
+            Segment("all", seq_lens, hi=capacity) if seq_lens is not None else None,
+            Segment("live", pos, hi=capacity - 1, aux=pos),
+            Segment("gather", block_table, lo=0, hi=num_blocks - 1, aux=req, pos=pos, unit=SPARSE_BLOCK_SIZE)
+            if m
+            else None,
+        ]
 
     def detail() -> None:
         checks = prefill_row_checks(req, pos, b, m)
@@ -121,7 +125,7 @@ def check_table_entries(block_table, req, pos, num_blocks: int, cache: str, seq_
         checks.append(_table_entries_check(block_table, blocks_used, num_blocks, cache))
         _raise_first(checks)
 
-    _value_checks(segments, detail)
+    _value_checks(segments, detail, None if key is None else ("table_entries", cache, seq_lens is not None, key))
 
 
 def check_decode(

@@ -755,15 +755,19 @@ def topk_kernel(
     if h == 0 or n == 0:
         return
     emit = block_table is not None
+    # (arguments a launch does not read are the output itself, stride 0: no view of it, which a
+    # recorded launch could not put the next call's output in place of, mm3lab._replay)
     dummy = topk_idx
-    req = dummy.view(-1)[:1] if req is None else req
-    pos = req if pos is None else pos
+    req_stride = 0 if req is None else req.stride(0)
+    req = dummy if req is None else req
+    pos, pos_stride = (req, req_stride) if pos is None else (pos, pos.stride(0))
     if emit:
         m = block_table.shape[1]
         if block_table.numel() == 0:
             block_table = torch.zeros(1, 1, dtype=torch.int32, device=scores.device)
+        bt_strides = block_table.stride()
     else:
-        m, block_table, sparse_bt, sparse_ctx = 0, dummy.view(-1)[:1].view(1, 1), dummy, dummy
+        m, block_table, bt_strides, sparse_bt, sparse_ctx = 0, dummy, (0, 0), dummy, dummy
     k_block = max(2, next_power_of_2(topk))  # (tl.topk needs k >= 2)
     block_w = max(16, k_block, min(next_power_of_2(max(w, 1)), max_register_row))
     rows = h * n
@@ -791,13 +795,13 @@ def topk_kernel(
         w,
         topk,
         req,
-        req.stride(0),
+        req_stride,
         pos,
-        pos.stride(0),
+        pos_stride,
         batch,
         dql,
         block_table,
-        *block_table.stride(),
+        *bt_strides,
         m,
         sparse_bt,
         sparse_ctx,
