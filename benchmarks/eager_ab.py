@@ -14,8 +14,10 @@ sets, as in the ``attention_decode`` and ``msa_decode`` suites):
     ``own+kept``: the default; ``own``: the value check's launch built anew every call
     (``mm3lab._valcheck.KNOWN_CHECKS = 0``); ``launch``: that and the merge launch.
 ``index_topk_decode``
-    ``memo``: the default (a repeated call shape replays its launches, :func:`mm3lab._replay.memo_call`);
-    ``normal``: every call checked and launched through Triton (``mm3lab._replay.ENABLED = False``).
+    ``memo``: the default (a repeated call shape replays its launches, :func:`mm3lab._replay.memo_call`,
+    queued while its value check runs); ``after``: queued after the check's flags are read
+    (``mm3lab._replay.QUEUE_DURING_CHECKS = False``); ``normal``: every call checked and launched
+    through Triton (``mm3lab._replay.ENABLED = False``).
 
 Validation on and off (``msa_decode``'s ``own`` only on: the kept check launches are a validation
 path), ``mode: "eager"``, and each entry point's CUDA-graph replay once (``mode: "graph"``). The
@@ -43,15 +45,17 @@ from .common import Context, _triton_version, write_side_results
 ARMS = {
     "sparse_attention": {"own": (True, True), "launch": (False, True)},
     "msa_decode": {"own+kept": (True, True), "own": (True, False), "launch": (False, False)},
-    "index_topk_decode": {"memo": (True, True), "normal": (True, True, False)},
+    "index_topk_decode": {"memo": (True, True), "after": (True, True, True, False), "normal": (True, True, False)},
 }
-"""Entry point -> arm -> (own merge, kept check launches[, call memos and recorded launches on])."""
+"""Entry point -> arm -> (own merge, kept check launches[, call memos and recorded launches on[, replays
+queued during their checks]])."""
 
 
-def _arm(own_merge: bool, kept_checks: bool, replay: bool = True) -> None:
+def _arm(own_merge: bool, kept_checks: bool, replay: bool = True, queue: bool = True) -> None:
     attn_kernel.OWN_MERGE = own_merge
     _valcheck.KNOWN_CHECKS = 16 if kept_checks else 0
     _replay.ENABLED = replay
+    _replay.QUEUE_DURING_CHECKS = queue
     _replay.clear_memos()
     recorded.clear()
 
@@ -73,10 +77,12 @@ def _calls(ctx: Context, p: suites.DecodeProblem) -> dict:
     }
 
 
-def _one_batch(ctx: Context, batch: int, context: int, rounds: int, runs: dict, records: list) -> None:
+def _one_batch(ctx: Context, batch: int, context: int, rounds: int, runs: dict, records: list, entries) -> None:
     calls = _calls(ctx, suites.DecodeProblem(ctx, batch, context))
     for _ in range(rounds):
         for entry, arms in ARMS.items():
+            if entry not in entries:
+                continue
             for arm, how in arms.items():
                 _arm(*how)
                 for validation in (True, False):
@@ -87,6 +93,8 @@ def _one_batch(ctx: Context, batch: int, context: int, rounds: int, runs: dict, 
                     runs.setdefault((entry, batch, arm, validation), []).append(round(t.ms * 1e3, 2))
     _arm(True, True)
     for entry, fns in calls.items():
+        if entry not in entries:
+            continue
         with mm3lab.validation(False):
             t = ctx.graph(fns)
         if t is not None:
@@ -95,11 +103,11 @@ def _one_batch(ctx: Context, batch: int, context: int, rounds: int, runs: dict, 
             )
 
 
-def run(ctx: Context, batches, context: int, rounds: int) -> list[dict]:
+def run(ctx: Context, batches, context: int, rounds: int, entries=tuple(ARMS)) -> list[dict]:
     runs: dict = {}
     records = []
     for batch in batches:
-        _one_batch(ctx, batch, context, rounds, runs, records)
+        _one_batch(ctx, batch, context, rounds, runs, records, entries)
         if ctx.cuda:
             torch.cuda.empty_cache()
     for (entry, batch, arm, validation), times in runs.items():
@@ -122,6 +130,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="results file (default benchmarks/results/eager-ab/<gpu>.json)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--entries", nargs="+", choices=list(ARMS), default=list(ARMS), help="entry points to time")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, no results kept")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -136,7 +145,7 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
     started = time.time()
-    records = run(ctx, batches, context, args.rounds)
+    records = run(ctx, batches, context, args.rounds, args.entries)
     meta = {
         "gpu": ctx.gpu,
         "torch": torch.__version__,

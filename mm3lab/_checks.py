@@ -262,14 +262,15 @@ def check_block_page_stride(block_page_stride) -> int:
     return block_page_stride
 
 
-def value_checks(segments, detail, key=None) -> None:
+def value_checks(segments, detail, key=None, then=None) -> None:
     """Run a call's value checks: ``segments`` (:class:`mm3lab._valcheck.Segment`, or a function that
     builds them) in one launch and one host read; only if one is flagged, ``detail()`` (the slow
     path, which may sync more) raises the detailed ``ValueError``. ``key``: what fixes the segments
-    (:func:`mm3lab._valcheck.flags_known`: a repeat launches the kept arguments)."""
+    (:func:`mm3lab._valcheck.flags_known`: a repeat launches the kept arguments; ``then``: what
+    the host queues while such a kept check runs)."""
     from ._valcheck import flags_known
 
-    if any(flags_known(key, segments if callable(segments) else lambda: segments)):
+    if any(flags_known(key, segments if callable(segments) else lambda: segments, then)):
         detail()
         raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
 

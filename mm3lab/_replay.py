@@ -50,6 +50,10 @@ DIRECT = True
 """Replayed launches call the compiled launcher's C entry with addresses (:func:`direct_launcher`);
 ``False``: through :func:`launch_compiled` with the tensors (benchmarks compare both)."""
 
+QUEUE_DURING_CHECKS = True
+"""A replayed :func:`memo_call` whose value checks let it (the indexer's) queues its launches while its
+check launch runs, before the host reads the check's flags; ``False``: after (benchmarks compare both)."""
+
 VERIFIED_TRITON = ("3.6.",)
 """Triton versions (prefixes) whose launcher call this module was verified against."""
 
@@ -405,15 +409,19 @@ def memo_call(memo: Memo, key, *, check, check_values, tensors, launch, result):
     """One call of an entry point through ``memo``, for an entry point whose value checks run apart from
     its launches (a check launch and one host read, :func:`mm3lab._valcheck.flags`).
 
-    A kept call shape with a recording runs ``check_values()`` (its key fixed all that the structural
-    checks read), then replays the recording with ``tensors()`` in place, and returns ``result`` of them.
+    A kept call shape with a recording runs ``check_values(replay)`` (its key fixed all that the
+    structural checks read) and replays the recording with ``tensors()`` in place, once: where the
+    value checks call ``replay`` (an entry point whose launches write only the call's new outputs may
+    have them queued while its check runs: a call that the check then rejects returns nothing, and
+    its launches read nothing outside the tensors they are given), else after them. It returns
+    ``result`` of the tensors.
     Any other call runs ``check()`` (every check) first. A new shape (``key`` not ``None``) then runs
     ``launch(tensors())`` while recording it and keeps the recording (``None`` where nothing was
     replayable: a PyTorch path); a shape kept without one, or no key, runs ``launch(None)``.
 
     Args:
         memo, key: the entry point's :class:`Memo` and the call's :meth:`Memo.key`.
-        check, check_values: the call's checks, all of them or the value checks alone.
+        check, check_values: the call's checks, all of them or the value checks alone (given ``replay``).
         tensors: makes the call's tensors by name, its outputs new (one call: its own outputs).
         launch: the call after its checks; given the tensors, it writes its kernels' outputs into
             them (given ``None``, it allocates its own) and returns the entry point's result.
@@ -421,9 +429,16 @@ def memo_call(memo: Memo, key, *, check, check_values, tensors, launch, result):
     """
     entry = memo.get(key)
     if entry is not None and entry.recording is not None:
-        check_values()
         named = tensors()
-        entry.recording.replay(named, named[next(iter(named))].device, key[0])
+        replayed = []
+
+        def replay() -> None:
+            if not replayed:
+                replayed.append(True)
+                entry.recording.replay(named, named[next(iter(named))].device, key[0])
+
+        check_values(replay if QUEUE_DURING_CHECKS else _nothing)
+        replay()  # (where the checks did not)
         return result(named)
     check()
     if key is None or entry is not None:
@@ -432,6 +447,10 @@ def memo_call(memo: Memo, key, *, check, check_values, tensors, launch, result):
     returned, recording = record_call(lambda: launch(named), named)
     memo.put(key, recording)
     return returned
+
+
+def _nothing() -> None:
+    pass
 
 
 _NO_DEVICE_WORK = {
@@ -506,6 +525,7 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
 __all__ = [
     "DIRECT",
     "ENABLED",
+    "QUEUE_DURING_CHECKS",
     "VERIFIED_TRITON",
     "Memo",
     "clear_memos",

@@ -705,13 +705,16 @@ KNOWN_CHECKS = 16
 """Check launches kept per thread for :func:`flags_known` (least recently used dropped first); 0: none."""
 
 
-def flags_known(key, segments) -> list[int]:
+def flags_known(key, segments, then=None) -> list[int]:
     """:func:`flags` of the segments ``segments()`` builds, for a caller whose ``key`` fixes them: every
     tensor's address and metadata and every bound (a call's :class:`mm3lab._checks.PassedChecks` key
     and what the segments are for). The first call with ``key`` builds them and keeps its launch's
     arguments where it launched directly (zero-copy, no launch hook); a later call with the same key
     launches them again at once, without building the segments and their 75 arguments, and reads
-    the flags as :func:`flags` does. ``key`` ``None``: :func:`flags` itself."""
+    the flags as :func:`flags` does. ``key`` ``None``: :func:`flags` itself.
+
+    ``then``: called between a kept launch and the read of its flags (work the host can queue while
+    the check runs; the flags are read whatever it does); not called on the other paths."""
     known = getattr(_buffers, "known", None)
     if known is None:
         known = _buffers.known = collections.OrderedDict()
@@ -723,7 +726,12 @@ def flags_known(key, segments) -> list[int]:
             _stats["launches"] += 1
             _stats["host_reads"] += 1
             _replay.call_direct(kernel, direct, grid, _replay.current_stream(device), values)
-            return wait_done(_flags_buffers(device), device)[:n]
+            try:
+                if then is not None:
+                    then()
+            finally:  # (the done word is read after every launch: the next launch's read starts from zero)
+                flagged = wait_done(_flags_buffers(device), device)[:n]
+            return flagged
     keep = [] if key is not None and KNOWN_CHECKS > 0 else None
     values = flags(*segments(), _keep=keep)
     if keep:

@@ -309,10 +309,10 @@ def test_host_suite_runs_without_a_gpu(tmp_path):
 
 
 def test_the_eager_ab_runs_every_arm_and_keeps_nothing_changed(capsys):
-    """``python -m benchmarks.eager_ab --dry-run``: every arm of both entry points, validation on and
+    """``python -m benchmarks.eager_ab --dry-run``: every arm of every entry point, validation on and
     off, and the package's settings as they were afterwards."""
     from benchmarks import eager_ab
-    from mm3lab import _valcheck
+    from mm3lab import _replay, _valcheck
     from mm3lab.attention import kernel as attn_kernel
 
     previous = mm3lab.get_backend()
@@ -326,6 +326,7 @@ def test_the_eager_ab_runs_every_arm_and_keeps_nothing_changed(capsys):
     want = {(e, a, v) for e, names in eager_ab.ARMS.items() for a in names for v in (True, False)}
     assert arms == want - {("msa_decode", "own", False)}
     assert attn_kernel.OWN_MERGE is True and _valcheck.KNOWN_CHECKS == 16
+    assert _replay.ENABLED is True and _replay.QUEUE_DURING_CHECKS is True
 
 
 def test_the_tiled_variants_run_and_agree(capsys):

@@ -123,7 +123,10 @@ def test_repeated_indexer_calls_replay_bit_identical(entry, fp8):
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("entry", ["index_topk_block_table_decode", "index_topk_prefill"])
-def test_a_replayed_indexer_call_still_checks_values(entry):
+@pytest.mark.parametrize("queue", [True, False])
+def test_a_replayed_indexer_call_still_checks_values(entry, queue, monkeypatch):
+    """Its launches queued while its check runs (the default) or after the check's flags are read."""
+    monkeypatch.setattr(_replay, "QUEUE_DURING_CHECKS", queue)
     INDEXER_MEMO.clear()
     cache, scale, table = _cache("cuda", torch.bfloat16, False)
     rows_args, n = _rows(entry, 0, "cuda")

@@ -105,7 +105,7 @@ def insert_index_cache(
         _MEMO,
         key,
         check=lambda: check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale),
-        check_values=lambda: check_slots_inside(
+        check_values=lambda replay: check_slots_inside(  # (then the insert: it writes the caller's cache)
             slot_mapping, capacity, "the index cache", key=(key, slot_mapping.data_ptr())
         ),
         tensors=lambda: dict(

@@ -155,15 +155,18 @@ class _Call(NamedTuple):
         scalars += (arguments.get("forced"), block_page_stride, validation_enabled())
         return _MEMO.key(per_call, (index_cache, index_scale), scalars)
 
-    def check_values(self, key) -> None:
+    def check_values(self, key, then=None) -> None:
         """The call's value checks alone, for a repeat of a checked call shape ``key`` (its check launch
-        kept, :func:`mm3lab._valcheck.flags_known`: the key and the addresses fix its segments)."""
+        kept, :func:`mm3lab._valcheck.flags_known`: the key and the addresses fix its segments).
+        ``then``: the call's launches, queued while a kept check runs (they write only the call's new
+        outputs and the memo's scratch, and never read outside the cache and tables, whatever the values)."""
         _, index_cache, block_table, rows, *_ = self
         known = (key, block_table.data_ptr(), rows.req.data_ptr(), rows.pos.data_ptr())
         if rows.prefill:
-            check_table_entries(block_table, rows.req, rows.pos, index_cache.shape[0], "the index cache", key=known)
+            cache = "the index cache"
+            check_table_entries(block_table, rows.req, rows.pos, index_cache.shape[0], cache, key=known, then=then)
         else:
-            check_decode_values(index_cache, block_table, rows.req, key=known)
+            check_decode_values(index_cache, block_table, rows.req, key=known, then=then)
 
     def tensors(self, arguments: dict) -> dict:
         """The call's tensors by name (:func:`mm3lab._replay.memo_call`), with new output buffers."""
@@ -249,7 +252,7 @@ def _run(entry: str, arguments: dict):
         _MEMO,
         key,
         check=lambda: call._check(arguments.get("topk", NO_TOPK), arguments.get("block_page_stride")),
-        check_values=lambda: call.check_values(key),
+        check_values=lambda replay: call.check_values(key, then=replay),
         tensors=lambda: call.tensors(arguments),
         launch=lambda named: call.run(entry, arguments, checked=True, outs=named),
         result=_result,
@@ -478,12 +481,11 @@ def topk_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
     # a repeated call shape on a GPU: its launch replayed (the checks above read metadata only)
     key = _TOPK_MEMO.key((scores,), (), (topk,))
-    none = lambda: None  # noqa: E731
     return _replay.memo_call(
         _TOPK_MEMO,
         key,
-        check=none,
-        check_values=none,
+        check=lambda: None,
+        check_values=lambda replay: None,
         tensors=tensors,
         launch=launch,
         result=lambda named: named["topk_idx"].view(shape),

@@ -91,7 +91,7 @@ def _table_entries_check(block_table, blocks_used, num_blocks, cache: str = "the
     )
 
 
-def check_table_entries(block_table, req, pos, num_blocks: int, cache: str, seq_lens=None, key=None) -> None:
+def check_table_entries(block_table, req, pos, num_blocks: int, cache: str, seq_lens=None, key=None, then=None) -> None:
     """Rows ``(req[n], pos[n])`` (negative ``pos`` = padded) against a block table and a cache of ``num_blocks``.
 
     Raises ``ValueError`` for a live row whose request is outside the table (names
@@ -100,7 +100,7 @@ def check_table_entries(block_table, req, pos, num_blocks: int, cache: str, seq_
     of its request) outside ``[0, num_blocks)`` (``block_table``). One launch and one host read in all;
     nothing runs with validation off (the kernels mask these reads). ``key``: what fixes the tensors'
     addresses and metadata and the bounds, if the caller has it (a repeat launches the kept check,
-    :func:`mm3lab._valcheck.flags_known`).
+    :func:`mm3lab._valcheck.flags_known`, and calls ``then()`` while it runs).
     """
     if not validation_enabled() or pos.numel() == 0:
         return
@@ -125,7 +125,8 @@ def check_table_entries(block_table, req, pos, num_blocks: int, cache: str, seq_
         checks.append(_table_entries_check(block_table, blocks_used, num_blocks, cache))
         _raise_first(checks)
 
-    _value_checks(segments, detail, None if key is None else ("table_entries", cache, seq_lens is not None, key))
+    key = None if key is None else ("table_entries", cache, seq_lens is not None, key)
+    _value_checks(segments, detail, key, then)
 
 
 def check_decode(
@@ -139,11 +140,11 @@ def check_decode(
         check_decode_values(index_cache, block_table, seq_lens)
 
 
-def check_decode_values(index_cache, block_table, seq_lens, key=None) -> None:
+def check_decode_values(index_cache, block_table, seq_lens, key=None, then=None) -> None:
     """The value checks of :func:`check_decode` (while validation is on), for a caller whose structural
     checks passed (a plan checks its shapes once; its runs check values only). ``key``: the
     caller's :class:`mm3lab._checks.PassedChecks` key over these tensors, if any (a repeat of it
-    launches the kept check, :func:`mm3lab._valcheck.flags_known`)."""
+    launches the kept check, :func:`mm3lab._valcheck.flags_known`, and calls ``then()`` while it runs)."""
     if not validation_enabled():
         return
     m = block_table.shape[1]
@@ -159,7 +160,7 @@ def check_decode_values(index_cache, block_table, seq_lens, key=None) -> None:
         blocks_used = blocks_used_decode(seq_lens, m)
         _raise_first([seq_lens_check(seq_lens, m), _table_entries_check(block_table, blocks_used, num_blocks)])
 
-    _value_checks(segments, detail, None if key is None else ("indexer_decode", key))
+    _value_checks(segments, detail, None if key is None else ("indexer_decode", key), then)
 
 
 def check_prefill(
