@@ -51,8 +51,9 @@ DIRECT = True
 ``False``: through :func:`launch_compiled` with the tensors (benchmarks compare both)."""
 
 QUEUE_DURING_CHECKS = True
-"""A replayed :func:`memo_call` whose value checks let it (the indexer's) queues its launches while its
-check launch runs, before the host reads the check's flags; ``False``: after (benchmarks compare both)."""
+"""A replayed :func:`memo_call` queues its launches while its kept check launch runs, before the host
+reads the check's flags, where its value checks allow it (the indexer's); ``False``: after the read
+(benchmarks compare both)."""
 
 VERIFIED_TRITON = ("3.6.",)
 """Triton versions (prefixes) whose launcher call this module was verified against."""

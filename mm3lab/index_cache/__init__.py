@@ -100,13 +100,12 @@ def insert_index_cache(
     """
     # a repeated call shape on a GPU: checked once, its launch replayed; the slots checked every call
     key = _MEMO.key((index_k, slot_mapping), (index_cache, index_scale), (validation_enabled(),))
-    capacity = index_cache_slots(index_cache) if key is not None else 0
     _replay.memo_call(
         _MEMO,
         key,
         check=lambda: check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale),
         check_values=lambda replay: check_slots_inside(  # (then the insert: it writes the caller's cache)
-            slot_mapping, capacity, "the index cache", key=(key, slot_mapping.data_ptr())
+            slot_mapping, index_cache_slots(index_cache), "the index cache", key=(key, slot_mapping.data_ptr())
         ),
         tensors=lambda: dict(
             index_k=index_k, index_cache=index_cache, slot_mapping=slot_mapping, index_scale=index_scale
