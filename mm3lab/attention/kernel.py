@@ -263,14 +263,18 @@ def _bad_pages(bt_ptr, stride_bw, pages, page_hi, num_pages, page_mod, page_mod_
 def _merge_chunk(part_o, part_lse, stride_ps, s0, num_splits, mask, head_ok, m_ref, acc, total, S_CHUNK: tl.constexpr):
     """Splits ``s0 .. s0 + S_CHUNK - 1`` (those below ``num_splits``) folded into ``(acc, total)``, one
     after the other: every load of the chunk is independent, the sums run in split order."""
+    parts = ()
+    weights = ()
     for i in tl.static_range(S_CHUNK):
         # (the split test as a vector from the start: a scalar bool & a vector mask is no mask on newer Triton)
         ok = head_ok & ((tl.zeros_like(m_ref).to(tl.int32) + s0 + i) < num_splits)
         lse_s = tl.load(part_lse + (s0 + i), mask=ok, other=float("-inf"), cache_modifier=".cg")
         part = tl.load(part_o + (s0 + i) * stride_ps, mask=mask & ok[:, None], other=0.0, cache_modifier=".cg")
-        w = tl.exp(lse_s - m_ref)  # 0 for empty and missing splits
-        acc = acc + part * w[:, None]
-        total = total + w
+        parts = parts + (part,)
+        weights = weights + (tl.exp(lse_s - m_ref),)  # 0 for empty and missing splits
+    for i in tl.static_range(S_CHUNK):  # (every load above is issued before the first sum needs one)
+        acc = acc + parts[i] * weights[i][:, None]
+        total = total + weights[i]
     return acc, total
 
 
