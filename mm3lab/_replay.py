@@ -329,11 +329,16 @@ class Memo:
     @staticmethod
     def key(per_call: tuple, caches: tuple, scalars: tuple) -> tuple | None:
         """The call's key, or ``None`` where the memo does not apply (a non-tensor where a tensor
-        goes, which the checks reject; CPU tensors; not on a recordable platform)."""
+        goes, which the checks reject; CPU tensors; not on a recordable platform; while a CUDA
+        graph is captured)."""
         if not supported() or backend.get_backend() != "triton":
             return None
         first = per_call[0]
         if not isinstance(first, torch.Tensor) or not first.is_cuda:
+            return None
+        if torch.cuda.is_current_stream_capturing():
+            # (a capture takes the normal path: a recording made outside it may hold launches that
+            # only an eager stream may run, such as the attention's own merge on per-stream counters)
             return None
         stream = _raw_stream(first.get_device()) if _raw_stream is not None else current_stream(first.device)
         key = [stream, _pdl.ENABLED]

@@ -493,7 +493,12 @@ class _MSAPlan:
 
     def _eager_launch(self, inputs: dict, caches) -> None:
         """:meth:`_launch`, replaying the recorded launches of an earlier run where they still apply
-        (:mod:`mm3lab._replay`: the same kernels without Triton's per-launch binding)."""
+        (:mod:`mm3lab._replay`: the same kernels without Triton's per-launch binding). A run inside a
+        CUDA-graph capture launches normally: an eager recording may hold launches that a graph must
+        not (the attention's own split merge counts arrivals on the eager stream's counters)."""
+        if _capturing():  # (the caller's graph gets the normal launches, never a replay of eager ones)
+            self._launch(inputs, caches)
+            return
         rec = self._recording
         if rec is not None and rec.matches(inputs, caches):
             rec.replay(inputs, self.device)

@@ -248,3 +248,40 @@ def test_an_explicitly_tiled_attention_call_is_replayed(normal_path):
         assert torch.equal(got, want), step
     (entry,) = ATTENTION_MEMO._entries().values()
     assert entry.recording is not None and entry.recording.replays == 3
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_call_inside_a_graph_capture_launches_normally_and_never_replays(monkeypatch, fp8):
+    """A call shape kept by eager calls, then called inside ``torch.cuda.graph``: the capture gets the normal
+    launches (the separate split merge), not a replay of the eager recording, whose own-merge launch counts
+    arrivals on the eager stream's counters; the graph's replays give the eager call's bits."""
+    ATTENTION_MEMO.clear()
+    cache, _, _, _, sbt, sctx = _problem(rows=1, fp8=fp8)
+    scales = {"k_scale": cache.k_scale, "v_scale": cache.v_scale} if fp8 else {}
+    q = _q(1, 0)
+    for _ in range(2):  # recorded, then replayed
+        want = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, **scales)
+    assert next(iter(ATTENTION_MEMO._entries().values())).recording.replays == 1
+    replays_in_capture = []
+    original = _replay.Recording.replay
+
+    def replay(self, *args, **kwargs):
+        replays_in_capture.append(torch.cuda.is_current_stream_capturing())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_replay.Recording, "replay", replay)
+    merges = []
+    real_counters = mm3lab.attention.kernel.merge_counters
+    monkeypatch.setattr(
+        mm3lab.attention.kernel, "merge_counters", lambda device: merges.append(real_counters(device)) or merges[-1]
+    )
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, **scales)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not any(replays_in_capture)
+    assert merges and all(m is None for m in merges)  # (the capture asked for counters and got none)
+    assert torch.equal(got, want)

@@ -171,3 +171,38 @@ def test_a_run_with_one_tensor_as_two_inputs_is_not_recorded():
     t, other = torch.zeros(2, 3), torch.zeros(2, 3)
     assert not _replay.Recording({"key": t, "value": t}, ()).ok
     assert _replay.Recording({"key": t, "value": other}, ()).ok
+
+
+@needs_gpu
+def test_a_plan_run_inside_the_callers_graph_capture_launches_normally(monkeypatch):
+    """An eager plan whose runs are recorded, then run inside the caller's ``torch.cuda.graph``: the capture
+    launches the step's kernels normally, never replaying the eager recording (its attention merges its
+    own splits on the eager stream's counters, which a graph must not), and the graph gives the same bits."""
+    layer = _layer(batch=1, context=3000)
+    kv, k, v, ic = _caches(layer)
+    plan = _plan(k, v, ic, layer)
+    x = _inputs(layer, 0)
+    kv0, ic0 = kv.clone(), ic.clone()
+    for _ in range(2):
+        kv.copy_(kv0)
+        ic.copy_(ic0)
+        want = plan.run(*x, k, v, ic, layer.block_table, layer.seq_lens).clone()
+    assert plan._recording is not None and plan._recording.replays == 1
+    seen = []
+    original = _replay.Recording.replay
+    monkeypatch.setattr(
+        _replay.Recording,
+        "replay",
+        lambda self, *a, **kw: seen.append(torch.cuda.is_current_stream_capturing()) or original(self, *a, **kw),
+    )
+    kv.copy_(kv0)
+    ic.copy_(ic0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = plan.run(*x, k, v, ic, layer.block_table, layer.seq_lens)
+    kv.copy_(kv0)
+    ic.copy_(ic0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not any(seen)
+    assert torch.equal(out, want)
