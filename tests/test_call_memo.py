@@ -261,8 +261,14 @@ def test_a_call_inside_a_graph_capture_launches_normally_and_never_replays(monke
     cache, _, _, _, sbt, sctx = _problem(rows=1, fp8=fp8)
     scales = {"k_scale": cache.k_scale, "v_scale": cache.v_scale} if fp8 else {}
     q = _q(1, 0)
-    for _ in range(2):  # recorded, then replayed
-        want = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, **scales)
+    # the eager calls on the stream the capture then uses, validation off as a capture needs it: the
+    # same key eagerly and in the capture, so only the capture itself keeps the recording out
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with mm3lab.validation(False), torch.cuda.stream(stream):
+        for _ in range(2):  # recorded, then replayed
+            want = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, **scales)
+    torch.cuda.current_stream().wait_stream(stream)
     assert next(iter(ATTENTION_MEMO._entries().values())).recording.replays == 1
     replays_in_capture = []
     original = _replay.Recording.replay
@@ -278,7 +284,7 @@ def test_a_call_inside_a_graph_capture_launches_normally_and_never_replays(monke
         mm3lab.attention.kernel, "merge_counters", lambda device: merges.append(real_counters(device)) or merges[-1]
     )
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with mm3lab.validation(False), torch.cuda.graph(graph, stream=stream):
         got = mm3lab.sparse_attention(q, cache.k_cache, cache.v_cache, sbt, sctx, **scales)
     graph.replay()
     torch.cuda.synchronize()
