@@ -23,6 +23,7 @@ if "mm3lab" in __import__("sys").modules:
     raise RuntimeError("benchmarks.offline must be imported before mm3lab")
 os.environ.pop("TRITON_INTERPRET", None)
 torch.cuda.is_available = lambda: True
+torch.cuda.is_current_stream_capturing = lambda: False  # (nothing is ever captured here)
 
 HQ, HKV, D, DI, TOPK = 64, 4, 128, 128, 16
 """MiniMax-M3's query and KV heads, head and index dims, and top-k."""
@@ -123,5 +124,4 @@ def install_recordings() -> None:
     _replay.Recording._add = add
     _replay._platform_supported = lambda: True
     _replay.current_stream = lambda device: 0
-    torch.cuda.is_current_stream_capturing = lambda: False
     recorded.applies = lambda args: not args.return_intermediates and args.q.shape[0] < TILED_MIN_ROWS
