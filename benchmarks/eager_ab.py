@@ -18,6 +18,9 @@ sets, as in the ``attention_decode`` and ``msa_decode`` suites):
     queued while its value check runs); ``after``: queued after the check's flags are read
     (``mm3lab._replay.QUEUE_DURING_CHECKS = False``); ``normal``: every call checked and launched
     through Triton (``mm3lab._replay.ENABLED = False``).
+``insert_index_cache``
+    each request's decode token's index key inserted at its slot; the same three arms (``memo``: the
+    replayed insert is gated on the check's flags and queued while the check runs).
 
 Validation on and off (``msa_decode``'s ``own`` only on: the kept check launches are a validation
 path), ``mode: "eager"``, and each entry point's CUDA-graph replay once (``mode: "graph"``). The
@@ -46,6 +49,7 @@ ARMS = {
     "sparse_attention": {"own": (True, True), "launch": (False, True)},
     "msa_decode": {"own+kept": (True, True), "own": (True, False), "launch": (False, False)},
     "index_topk_decode": {"memo": (True, True), "after": (True, True, True, False), "normal": (True, True, False)},
+    "insert_index_cache": {"memo": (True, True), "after": (True, True, True, False), "normal": (True, True, False)},
 }
 """Entry point -> arm -> (own merge, kept check launches[, call memos and recorded launches on[, replays
 queued during their checks]])."""
@@ -74,7 +78,17 @@ def _calls(ctx: Context, p: suites.DecodeProblem) -> dict:
             )
             for st in p.sets
         ],
+        "insert_index_cache": [
+            lambda st=st, slots=slots: mm3lab.insert_index_cache(st["index_k"], p.index_cache, slots)
+            for st, slots in zip(p.sets, [_decode_slots(p, st) for st in p.sets], strict=True)
+        ],
     }
+
+
+def _decode_slots(p: suites.DecodeProblem, st: dict) -> torch.Tensor:
+    """The slot of each request's decode token (its last position) in the set's block table."""
+    last = p.context - 1
+    return st["block_table"][:, last // 128].long() * 128 + last % 128
 
 
 def _one_batch(ctx: Context, batch: int, context: int, rounds: int, runs: dict, records: list, entries) -> None:

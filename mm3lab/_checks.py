@@ -275,11 +275,11 @@ def value_checks(segments, detail, key=None, then=None) -> None:
         raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
 
 
-def check_slots_inside(slot_mapping: torch.Tensor, capacity: int, cache: str, key=None) -> None:
+def check_slots_inside(slot_mapping: torch.Tensor, capacity: int, cache: str, key=None, then=None) -> None:
     """With validation on: every slot of ``slot_mapping`` below ``capacity``, the slots of ``cache``
     (negative slots are padding); one launch and one host read. Raises ``ValueError`` naming the row.
     ``key``: what fixes ``slot_mapping``'s address and metadata and ``capacity``, if the caller has it
-    (a repeat launches the kept check, :func:`mm3lab._valcheck.flags_known`)."""
+    (a repeat launches the kept check, :func:`mm3lab._valcheck.flags_known`, and queues ``then``)."""
     from ._valcheck import Segment
 
     if not validation_enabled() or slot_mapping.numel() == 0:
@@ -294,7 +294,7 @@ def check_slots_inside(slot_mapping: torch.Tensor, capacity: int, cache: str, ke
             )
 
     segments = lambda: [Segment("all", slot_mapping, hi=capacity - 1)]  # noqa: E731
-    value_checks(segments, detail, None if key is None else ("slots_inside", cache, capacity, key))
+    value_checks(segments, detail, None if key is None else ("slots_inside", cache, capacity, key), then)
 
 
 def raise_first(checks) -> None:

@@ -52,8 +52,9 @@ DIRECT = True
 
 QUEUE_DURING_CHECKS = True
 """A replayed :func:`memo_call` queues its launches while its kept check launch runs, before the host
-reads the check's flags, where its value checks allow it (the indexer's); ``False``: after the read
-(benchmarks compare both)."""
+reads the check's flags, where its value checks allow it (the indexer's, whose launches write only new
+outputs; the index-cache insert's, whose launch reads the check's flags and writes nothing when one is
+set); ``False``: after the read (benchmarks compare both)."""
 
 VERIFIED_TRITON = ("3.6.",)
 """Triton versions (prefixes) whose launcher call this module was verified against."""
@@ -417,9 +418,10 @@ def memo_call(memo: Memo, key, *, check, check_values, tensors, launch, result):
 
     A kept call shape with a recording runs ``check_values(replay)`` (its key fixed all that the
     structural checks read) and replays the recording with ``tensors()`` in place, once: where the
-    value checks call ``replay`` (an entry point whose launches write only the call's new outputs may
-    have them queued while its check runs: a call that the check then rejects returns nothing, and
-    its launches read nothing outside the tensors they are given), else after them. It returns
+    value checks call ``replay`` (an entry point whose launches write only the call's new outputs, or
+    write only where the check's flags are clear, may have them queued while its check runs: a call
+    that the check then rejects returns nothing, and its launches read nothing outside the tensors
+    they are given), else after them. It returns
     ``result`` of the tensors.
     Any other call runs ``check()`` (every check) first. A new shape (``key`` not ``None``) then runs
     ``launch(tensors())`` while recording it and keeps the recording (``None`` where nothing was

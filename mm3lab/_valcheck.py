@@ -55,6 +55,7 @@ __all__ = [
     "flags",
     "flags_known",
     "fused_flags",
+    "gate",
     "kernel_on_cpu",
     "read_fused",
     "record_checked",
@@ -595,9 +596,22 @@ def wait_done(bufs: Buffers, device: torch.device) -> list[int]:
                 break
     values = view[:DONE].tolist()
     if any(values):
+        # (a gated launch queued after the check may not have read them yet: let it, then zero them)
+        torch.cuda.current_stream(device).synchronize()
         view[:DONE] = 0
     view[DONE] = 0
     return values
+
+
+def gate(device: torch.device) -> torch.Tensor | None:
+    """The flags a value-check launch on ``device`` writes (zero-copy, :data:`ZERO_COPY`), for a launch
+    queued after it in stream order that must write nothing when one is set (a gated insert, which the
+    host queues before it reads the flags: :func:`mm3lab._replay.memo_call`). They are zeros at the start
+    of every call, and a flagged read zeroes them only after the stream has drained. ``None`` where the
+    checks do not run that way (a CPU device, zero-copy off, graph capture)."""
+    if device.type != "cuda" or not ZERO_COPY or torch.cuda.is_current_stream_capturing():
+        return None
+    return _flags_buffers(device).host[:DONE]
 
 
 def _launch_and_read(segments: list[Segment], bufs: Buffers, keep=None) -> list[int]:

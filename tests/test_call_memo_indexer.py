@@ -188,7 +188,11 @@ def test_repeated_topk_blocks_calls_replay_bit_identical(how):
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
-def test_repeated_inserts_replay_and_check_their_slots(fp8):
+@pytest.mark.parametrize("queue", [True, False])
+def test_repeated_inserts_replay_and_check_their_slots(fp8, queue, monkeypatch):
+    """A replayed insert is gated on its check's flags: queued while the check runs (the default) or after
+    the flags are read, and either way a rejected call writes nothing; the next good call is exact."""
+    monkeypatch.setattr(_replay, "QUEUE_DURING_CHECKS", queue)
     INSERT_MEMO.clear()
     blocks = 4
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
@@ -209,9 +213,18 @@ def test_repeated_inserts_replay_and_check_their_slots(fp8):
     assert entry.recording is not None and entry.recording.replays == 3
     before = caches[0].clone()
     slots[5] = blocks * 128  # past the cache, in place
-    with pytest.raises(ValueError, match=r"slot_mapping: row 5"):
-        mm3lab.insert_index_cache(keys, caches[0], slots, index_scale=scales[0])
-    assert torch.equal(caches[0].view(torch.uint8), before.view(torch.uint8))  # nothing written
+    keys = keys + 1.0  # (new keys: a write would show)
+    for _ in range(2):  # (twice: the flags are clear again after a rejected call)
+        with pytest.raises(ValueError, match=r"slot_mapping: row 5"):
+            mm3lab.insert_index_cache(keys, caches[0], slots, index_scale=scales[0])
+        torch.cuda.synchronize()
+        assert torch.equal(caches[0].view(torch.uint8), before.view(torch.uint8))  # nothing written
+    slots[5] = -1
+    mm3lab.insert_index_cache(keys, caches[0], slots, index_scale=scales[0])
+    with _replay_off():
+        mm3lab.insert_index_cache(keys, caches[1], slots, index_scale=scales[1])
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+    assert entry.recording.replays >= 4
 
 
 @pytest.mark.parametrize("backend", ["interpret", "torch"])

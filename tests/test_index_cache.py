@@ -170,6 +170,35 @@ def test_slot_past_cache_with_validation_off_is_skipped(device):
     assert int(torch.isnan(flat).all(dim=1).sum()) == 2 * BLOCK - 2  # nothing else written, nowhere outside
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("flag", [None, 0, 5])
+def test_a_gated_insert_writes_only_where_every_flag_is_clear(device, fp8, flag):
+    """The kernel's gate (what a replayed insert reads: the flags its value check wrote, queued before it):
+    all clear, the insert as usual; any one set, nothing written, the FP8 scales included."""
+    from mm3lab.index_cache.kernel import insert_index_cache_kernel
+
+    if fp8 and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9")
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    cache = allocate_index_cache(3, 32, dtype=dtype, device=device, fill=0.0)
+    scale = mm3lab.allocate_index_scale(3, device=device) if fp8 else None
+    index_k = torch.randn(6, 32, generator=g).to(device)
+    slots = torch.tensor([4, -1, 130, 300, 7, 255], device=device)
+    gate = torch.zeros(8, dtype=torch.int32, device=device)
+    if flag is not None:
+        gate[flag] = 1
+    want_cache, want_scale = cache.clone(), None if scale is None else scale.clone()
+    if flag is None:
+        reference.insert_index_cache(index_k, want_cache, slots, index_scale=want_scale)
+    insert_index_cache_kernel(index_k, cache, slots, scale, gate)
+    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+    if fp8:
+        assert torch.equal(scale, want_scale)
+    if flag is None:
+        assert int(torch.count_nonzero(cache.float().abs().sum(-1))) == 5  # (the five live slots)
+
+
 def test_empty_insert_is_a_no_op(device):
     cache = poison(allocate_index_cache(1, 8, device=device))
     before = cache.clone()

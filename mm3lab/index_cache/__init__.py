@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _replay, backend
+from .. import _replay, _valcheck, backend
 from .._checks import FLOAT_DTYPES, check_device, check_int, check_slots_inside, validation_enabled
 from ..constants import SPARSE_BLOCK_SIZE
 from ..fp8 import FP8_DTYPE
@@ -98,19 +98,32 @@ def insert_index_cache(
             slot vector of the wrong length, a non-contiguous cache head dim, tensors on
             different devices; with validation on, a slot ``>= num_blocks * 128``.
     """
-    # a repeated call shape on a GPU: checked once, its launch replayed; the slots checked every call
-    key = _MEMO.key((index_k, slot_mapping), (index_cache, index_scale), (validation_enabled(),))
+    # A repeated call shape on a GPU: checked once, its launch replayed; the slots checked every call.
+    # The replayed insert is gated (the recording's launch reads the check's flags and writes nothing
+    # when one is set), so it is queued while the check runs, and a rejected call still writes nothing.
+    validate = validation_enabled()
+    key = _MEMO.key((index_k, slot_mapping), (index_cache, index_scale), (validate,))
     _replay.memo_call(
         _MEMO,
         key,
         check=lambda: check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale),
-        check_values=lambda replay: check_slots_inside(  # (then the insert: it writes the caller's cache)
-            slot_mapping, index_cache_slots(index_cache), "the index cache", key=(key, slot_mapping.data_ptr())
+        check_values=lambda replay: check_slots_inside(
+            slot_mapping,
+            index_cache_slots(index_cache),
+            "the index cache",
+            key=(key, slot_mapping.data_ptr()),
+            then=replay,
         ),
         tensors=lambda: dict(
             index_k=index_k, index_cache=index_cache, slot_mapping=slot_mapping, index_scale=index_scale
         ),
-        launch=lambda named: _insert_checked(index_k, index_cache, slot_mapping, index_scale),
+        launch=lambda named: _insert_checked(
+            index_k,
+            index_cache,
+            slot_mapping,
+            index_scale,
+            _valcheck.gate(index_k.device) if named and validate else None,
+        ),
         result=lambda named: None,
     )
 
@@ -119,8 +132,9 @@ _MEMO = _replay.Memo("insert_index_cache")
 """Repeated call shapes of :func:`insert_index_cache` (:class:`mm3lab._replay.Memo`)."""
 
 
-def _insert_checked(index_k, index_cache, slot_mapping, index_scale=None) -> None:
-    """:func:`insert_index_cache` after its checks, for a caller that made them (the MSA layer)."""
+def _insert_checked(index_k, index_cache, slot_mapping, index_scale=None, gate=None) -> None:
+    """:func:`insert_index_cache` after its checks, for a caller that made them (the MSA layer);
+    ``gate``: the value-check flags the kernel's launch reads first (:func:`mm3lab._valcheck.gate`)."""
     if index_k.shape[0] == 0:
         return
     if not backend.use_kernel(index_k, index_cache, slot_mapping, entry_point="insert_index_cache"):
@@ -130,7 +144,7 @@ def _insert_checked(index_k, index_cache, slot_mapping, index_scale=None) -> Non
 
     if index_scale is not None and backend.INTERPRETER and index_k.dtype == torch.bfloat16:
         index_k = index_k.float()  # (the interpreter's bfloat16 arithmetic is inexact; the value is the same)
-    insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale)
+    insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale, gate)
 
 
 def token_slots(block_table: torch.Tensor, query_req_id: torch.Tensor, query_abs_pos: torch.Tensor) -> torch.Tensor:

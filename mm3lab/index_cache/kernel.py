@@ -2,7 +2,9 @@
 
 One launch; each program copies a tile of ``BLOCK_N`` tokens x ``BLOCK_D`` dims.
 A negative slot (padding) or a slot past the cache masks its row: nothing is
-read for it and nothing written.
+read for it and nothing written. A gated launch (``gate``) first reads the flags that
+the call's value-check launch, queued before it, wrote: if one is set, it writes
+nothing at all, so the host can queue the insert before it has read those flags.
 """
 
 from __future__ import annotations
@@ -74,15 +76,21 @@ def _insert_index_cache(
     capacity,  # num_blocks * 128
     scale_ptr,  # [num_blocks, 128] float32 per-token scales (QUANT only)
     stride_sb,
+    gate_ptr,  # GATED: [GATE_FLAGS] int32 value-check flags (any set: write nothing)
     INTERPRETED: tl.constexpr,
     QUANT: tl.constexpr,  # FP8 cache: quantize each key (BLOCK_D covers the whole key)
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPARSE_BLOCK: tl.constexpr,
+    GATED: tl.constexpr,
+    GATE_FLAGS: tl.constexpr,  # a power of two
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_rows = rows < N
+    if GATED:  # (the check launch before this one has finished: its flags are all written)
+        flagged = tl.max(tl.load(gate_ptr + tl.arange(0, GATE_FLAGS), volatile=True), 0)
+        in_rows = in_rows & ((tl.zeros_like(rows) + flagged) == 0)
     slot = tl.load(slot_ptr + rows.to(tl.int64) * stride_s, mask=in_rows, other=-1).to(tl.int64)
     index_rows_store(
         index_k_ptr, stride_kn, stride_kd, cache_ptr, stride_cb, stride_ct, rows, in_rows, slot, dims, Di, capacity,
@@ -90,8 +98,10 @@ def _insert_index_cache(
     )  # fmt: skip
 
 
-def insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale=None) -> None:
-    """Launch the insert (arguments already validated, ``N > 0``); ``index_scale`` for an FP8 cache."""
+def insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale=None, gate=None) -> None:
+    """Launch the insert (arguments already validated, ``N > 0``); ``index_scale`` for an FP8 cache.
+    ``gate``: int32 flags (a power of two of them) that a value-check launch queued before this one
+    writes; the insert writes nothing where one is set."""
     n, di = index_k.shape
     quant = index_scale is not None
     block_d = next_power_of_2(di) if quant else min(next_power_of_2(di), 256)
@@ -110,11 +120,14 @@ def insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale=No
         index_cache.shape[0] * SPARSE_BLOCK_SIZE,
         index_scale if quant else slot_mapping,
         index_scale.stride(0) if quant else 0,
+        slot_mapping if gate is None else gate,
         QUANT=quant,
         INTERPRETED=backend.INTERPRETER,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         SPARSE_BLOCK=SPARSE_BLOCK_SIZE,
+        GATED=gate is not None,
+        GATE_FLAGS=1 if gate is None else gate.numel(),
         num_warps=4,
     )
 
