@@ -189,9 +189,12 @@ def test_repeated_topk_blocks_calls_replay_bit_identical(how):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("queue", [True, False])
-def test_repeated_inserts_replay_and_check_their_slots(fp8, queue, monkeypatch):
-    """A replayed insert is gated on its check's flags: queued while the check runs (the default) or after
-    the flags are read, and either way a rejected call writes nothing; the next good call is exact."""
+@pytest.mark.parametrize("n", [9, 100])
+def test_repeated_inserts_replay_and_check_their_slots(fp8, queue, n, monkeypatch):
+    """A small replayed insert is gated on its check's flags: queued while the check runs (the default) or
+    after the flags are read; a large one (more than ``GATED_TOKENS`` keys) waits for the flags. Either
+    way a rejected call writes nothing; the next good call is exact."""
+    assert (n <= mm3lab.index_cache.GATED_TOKENS) == (n == 9)
     monkeypatch.setattr(_replay, "QUEUE_DURING_CHECKS", queue)
     INSERT_MEMO.clear()
     blocks = 4
@@ -200,8 +203,8 @@ def test_repeated_inserts_replay_and_check_their_slots(fp8, queue, monkeypatch):
     scales = [mm3lab.allocate_index_scale(blocks, device="cuda") if fp8 else None for _ in range(2)]
     for step in range(4):
         g = torch.Generator(device="cuda").manual_seed(step)
-        keys = torch.randn(9, DI, generator=g, device="cuda").to(torch.bfloat16)
-        slots = torch.randperm(blocks * 128, generator=g, device="cuda")[:9]
+        keys = torch.randn(n, DI, generator=g, device="cuda").to(torch.bfloat16)
+        slots = torch.randperm(blocks * 128, generator=g, device="cuda")[:n]
         slots[2] = -1  # padding
         mm3lab.insert_index_cache(keys, caches[0], slots, index_scale=scales[0])
         with _replay_off():
