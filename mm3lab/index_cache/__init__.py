@@ -133,10 +133,11 @@ def insert_index_cache(
 
 
 GATED_TOKENS = 32
-"""The most keys a replayed, checked insert gates on its check's flags (one program of the kernel). Every
-program of a gated launch reads the flags from pinned host memory, a bus read each, and with many
-programs those reads cost far more than the wait they save: gated, a 4096-key insert (128 programs) took 0.50 ms on an H100 where checking
-first and then inserting takes 0.03 ms. Above this, the insert waits for the host's read of the flags."""
+"""The most keys a replayed, checked insert gates on its check's flags (one program of the kernel).
+Every program of a gated launch reads the flags from pinned host memory, a bus read each, and with
+many programs those reads cost far more than the wait they save: gated, a 4096-key insert (128
+programs) took 0.50 ms on an H100 where checking first and then inserting takes 0.03 ms. Above
+this, the insert waits for the host's read of the flags."""
 
 _MEMO = _replay.Memo("insert_index_cache")
 """Repeated call shapes of :func:`insert_index_cache` (:class:`mm3lab._replay.Memo`)."""
