@@ -55,6 +55,8 @@ graphs to capture.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from . import _replay, backend
@@ -77,6 +79,9 @@ __all__ = ["MSADecodePlan", "MSAPrefillPlan"]
 
 _TENSOR_INPUTS = ("q", "key", "value", "index_q", "index_k")
 """A run's first arguments (then come the caches, ``block_table`` and the rows, as in the one-shot functions)."""
+_PLAN_IDS = itertools.count()
+"""A number for each plan (part of its value checks' key)."""
+
 _CACHE_NAMES = ("k_cache", "v_cache", "index_cache", "index_scale", "k_scale", "v_scale")
 """The caches and their scales, as a plan holds them (``caches`` tuples) and the one-shot functions name them."""
 _SHARED_ARGUMENTS = (
@@ -155,6 +160,7 @@ class _MSAPlan:
         self.max_blocks = check_int("max_blocks", max_blocks, minimum=1)
         self.num_q_heads = check_int("num_q_heads", num_q_heads, minimum=1)
         self.decode_query_len = check_int("decode_query_len", decode_query_len, minimum=1)
+        self._plan_id = next(_PLAN_IDS)  # (its value checks' key: :meth:`_value_checks`)
         self.rows = check_int("rows", rows, minimum=1)
         self.topk = check_int("topk", topk, minimum=1)
         self.init_blocks = check_int("init_blocks", init_blocks, minimum=0)
@@ -326,11 +332,17 @@ class _MSAPlan:
         from .indexer.checks import check_decode_values, check_table_entries
 
         index_cache, block_table = self._caches[2], inputs["block_table"]
+        # The plan fixed the shapes, dtypes and device; with the addresses and strides this key fixes the
+        # check's segments, so a run that repeats them launches the kept check (_valcheck.flags_known).
+        key = ["plan", self._plan_id, index_cache.data_ptr(), block_table.data_ptr(), block_table.stride()]
         if self._prefill:
             req, pos = inputs["query_req_id"], inputs["query_abs_pos"]
-            check_table_entries(block_table, req, pos, index_cache.shape[0], "the index cache")
+            key += [req.data_ptr(), req.stride(), pos.data_ptr(), pos.stride()]
+            check_table_entries(block_table, req, pos, index_cache.shape[0], "the index cache", key=tuple(key))
         elif self.rows:
-            check_decode_values(index_cache, block_table, inputs["seq_lens"])
+            seq_lens = inputs["seq_lens"]
+            key += [seq_lens.data_ptr(), seq_lens.stride()]
+            check_decode_values(index_cache, block_table, seq_lens, key=tuple(key))
 
     def _one_shot(self, inputs: dict, caches):
         """The one-shot function on the run's arguments (every input and cache by its name there)."""

@@ -124,6 +124,52 @@ def test_value_checks_run_while_validation_is_on(device):
     assert torch.equal(layer.cache.kv, before)
 
 
+def _kept_plan_checks() -> int:
+    """How many of this thread's kept value-check launches are a plan's (mm3lab._valcheck.flags_known)."""
+    from mm3lab import _valcheck
+
+    known = getattr(_valcheck._buffers, "known", None) or {}
+    return sum(1 for k in known if k[0] == "plan" or (isinstance(k[1], tuple) and k[1][:1] == ("plan",)))
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_repeated_runs_check_their_values_every_run(device, prefill):
+    """A run with the tensors of an earlier run (addresses and strides) launches that run's kept value
+    check on a GPU, which still reads the values: an entry made bad in place between runs raises and
+    writes nothing, twice, and the next good run equals the one-shot function."""
+    layer = small_msa_layer(device, batch=2, context=260)
+    if prefill:
+        req = torch.tensor([0, 0, 1, 1, 0], dtype=torch.int32, device=device)
+        pos = torch.tensor([255, 258, 100, -1, 259], dtype=torch.int32, device=device)
+        g = torch.Generator().manual_seed(5)
+        q, key, value, index_q = (torch.randn(5, h, 16, generator=g).to(device) for h in (4, 2, 2, 2))
+        index_k = torch.randn(5, 16, generator=g).to(device)
+        plan = _prefill_plan(layer, 5, topk=2)
+        head, rows = (q, key, value, index_q, index_k), (req, pos)
+        one_shot, match = mm3lab.msa_prefill, "block_table"
+    else:
+        plan = _decode_plan(layer, topk=2)
+        head, rows = _run_args(layer)[:5], (layer.seq_lens.clone(),)
+        one_shot, match = mm3lab.msa_decode, "block_table"
+    table = layer.block_table.clone()
+    before = _kept_plan_checks()
+    for _ in range(3):
+        plan.run(*head, *_caches(layer), table, *rows)
+    if device == "cuda":
+        assert _kept_plan_checks() == before + 1  # (kept by the first run, launched again by the others)
+    good = table.clone()
+    table[0, 1] = layer.index_cache.shape[0] + 5  # past both caches, in place (row 0 reads block 1)
+    kv, index_cache = layer.cache.kv.clone(), layer.index_cache.clone()
+    for _ in range(2):  # (twice: the flags are clear again after a rejected run)
+        with pytest.raises(ValueError, match=match):
+            plan.run(*head, *_caches(layer), table, *rows)
+        assert torch.equal(layer.cache.kv, kv) and torch.equal(layer.index_cache, index_cache)
+    table.copy_(good)
+    _, kc, vc, ic = _clone_caches(layer)
+    want = one_shot(*head, kc, vc, ic, table, *rows, topk=2)
+    assert torch.equal(plan.run(*head, *_caches(layer), table, *rows), want)
+
+
 def test_bad_plans_are_rejected():
     layer = small_msa_layer("cpu")
     with pytest.raises(ValueError, match="not a multiple"):
