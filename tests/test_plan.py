@@ -129,7 +129,7 @@ def _kept_plan_checks() -> int:
     from mm3lab import _valcheck
 
     known = getattr(_valcheck._buffers, "known", None) or {}
-    return sum(1 for k in known if k[0] == "plan" or (isinstance(k[1], tuple) and k[1][:1] == ("plan",)))
+    return sum(1 for k in known if any(isinstance(part, tuple) and part[:1] == ("plan",) for part in k))
 
 
 @pytest.mark.parametrize("prefill", [False, True])
