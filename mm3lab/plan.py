@@ -332,9 +332,10 @@ class _MSAPlan:
         from .indexer.checks import check_decode_values, check_table_entries
 
         index_cache, block_table = self._caches[2], inputs["block_table"]
-        # The plan fixed the shapes, dtypes and device; with the addresses and strides this key fixes the
-        # check's segments, so a run that repeats them launches the kept check (_valcheck.flags_known).
-        key = ["plan", self._plan_id, index_cache.data_ptr(), block_table.data_ptr(), block_table.stride()]
+        # The plan fixed the shapes, dtypes, device and index cache; with the inputs' addresses and strides
+        # this key fixes the check's segments, so a run that repeats them launches the kept check
+        # (_valcheck.flags_known).
+        key = ["plan", self._plan_id, block_table.data_ptr(), block_table.stride()]
         if self._prefill:
             req, pos = inputs["query_req_id"], inputs["query_abs_pos"]
             key += [req.data_ptr(), req.stride(), pos.data_ptr(), pos.stride()]
