@@ -53,11 +53,23 @@ def _signalled(signal) -> list:
 
 
 def _attend(cache, q, bt, ctx, splits, out, check=None):
-    """One launch of the per-row kernel (``splits`` splits) or, ``splits`` ``"tiled"``, of the tiled kernel
-    with its fused pre-pass (one tile of 8 rows: 16 query vectors)."""
-    if splits == "tiled":
+    """One launch of the per-row kernel (``splits`` splits) or, ``splits`` ``"tiled"`` (``"tiled-inside"``),
+    of the tiled kernel with its fused pre-pass (one tile of 8 rows: 16 query vectors), its checks a launch of
+    their own (in the attention launch)."""
+    if splits in ("tiled", "tiled-inside"):
         tiled.tiled_attention_kernel(
-            q, cache.k_cache, cache.v_cache, bt, ctx, D**-0.5, out, None, tile_rows=8, prepass="fused", check=check
+            q,
+            cache.k_cache,
+            cache.v_cache,
+            bt,
+            ctx,
+            D**-0.5,
+            out,
+            None,
+            tile_rows=8,
+            prepass="fused",
+            check=check,
+            check_launch="inside" if splits == "tiled-inside" else "apart",
         )
     else:
         attn_kernel.sparse_attention_kernel(
@@ -130,9 +142,10 @@ def test_the_kernel_flags_exactly_what_the_value_checks_reject_cpu(layout, n, to
     topk=st.integers(1, 3),
     seed=st.integers(0, 2**16),
     spoils=SPOILS,
+    launch=st.sampled_from(["tiled", "tiled-inside"]),
 )
-def test_the_tiled_kernel_flags_exactly_what_the_value_checks_reject_cpu(layout, n, topk, seed, spoils):
-    _flags_match_the_checks("cpu", layout, n, topk, "tiled", seed, spoils)
+def test_the_tiled_kernel_flags_exactly_what_the_value_checks_reject_cpu(layout, n, topk, seed, spoils, launch):
+    _flags_match_the_checks("cpu", layout, n, topk, launch, seed, spoils)
 
 
 SINGLE_SPOILS = [
@@ -148,26 +161,29 @@ SINGLE_SPOILS = [
 
 @pytest.mark.parametrize("spoil", SINGLE_SPOILS)
 @pytest.mark.parametrize("layout", ["dense", "packed"])
-@pytest.mark.parametrize("splits", [1, 3, "tiled"])
+@pytest.mark.parametrize("splits", [1, 3, "tiled", "tiled-inside"])
 def test_each_kind_of_bad_entry_is_flagged_where_it_is_read(device, layout, splits, spoil):
     _flags_match_the_checks(device, layout, 3, 3, splits, 11, [spoil])
 
 
+@pytest.mark.parametrize("launch", ["tiled", "tiled-inside"])
 @pytest.mark.parametrize("spoil", SINGLE_SPOILS[::2])
-def test_one_checker_program_checks_the_whole_tiled_launch(device, spoil, monkeypatch):
-    """The tiled launch's first ``CHECKERS`` programs check every row; the others only attend."""
+def test_one_checker_program_checks_the_whole_tiled_launch(device, spoil, launch, monkeypatch):
+    """One checker program checks every row (apart: the check launch's only program; inside: the first
+    program of the tiled launch, the others only attend)."""
     monkeypatch.setattr(tiled, "CHECKERS", 1)
-    _flags_match_the_checks(device, "packed", 3, 3, "tiled", 5, [spoil])
+    _flags_match_the_checks(device, "packed", 3, 3, launch, 5, [spoil])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("launch", ["tiled", "tiled-inside"])
 @pytest.mark.parametrize("checkers", [1, 3, 128])
-def test_tiled_checkers_share_many_chunks(checkers, monkeypatch):
+def test_tiled_checkers_share_many_chunks(checkers, launch, monkeypatch):
     """Many rows (several chunks per checker, more programs than checkers): each spoiled entry is found."""
     monkeypatch.setattr(tiled, "CHECKERS", checkers)
     for case, spoil in enumerate([("ctx", 1, 517, 10**6), ("page", 0, 333, 7, 0), ("page", 1, 598, 2, 1), None]):
-        _flags_match_the_checks("cuda", ["dense", "packed"][case % 2], 600, 2, "tiled", case, [spoil] if spoil else [])
+        _flags_match_the_checks("cuda", ["dense", "packed"][case % 2], 600, 2, launch, case, [spoil] if spoil else [])
 
 
 def _flags_match_the_checks(device, layout, n, topk, splits, seed, spoils):
@@ -197,7 +213,7 @@ def test_the_kernel_flags_exactly_what_the_value_checks_reject_cuda():
             else:
                 spoils.append(("page", r[1], r[2], r[3] % 24, r[4] % 3))
         layout = ["dense", "packed"][case % 2]
-        splits = [1, 2, 3, "tiled"][case % 4]
+        splits = [1, 2, 3, "tiled", "tiled-inside"][case % 5]
         _flags_match_the_checks("cuda", layout, 1 + case % 3, 1 + case % 3, splits, case, spoils)
 
 
