@@ -579,20 +579,26 @@ platform where the first such launch fails, which turns it off): flags in device
 the pinned buffer after a stream sync."""
 
 SPIN_SECONDS = 0.002
-"""How long :func:`wait_done` watches for a launch's ``done`` word before it syncs the stream instead
-(a launch queued behind long work, a launch that never ran): a sync gives the same flags, later."""
+"""How long :func:`wait_done` watches a launch's ``done`` word alone. Past it (a check launch queued
+behind long work, or one that never ran) it also asks whether the stream has drained, yielding the
+CPU between looks: a drained stream has written every flag (or reports the error that stopped it).
+It never syncs the stream to wait. A sync would also wait for the work queued after the check (the
+attention of the same call), and the host would then queue the next call on an idle device: with
+3.2 ms prefill calls, whose check waits behind the previous call, that cost 70 to 85 us a call."""
 
 
 def wait_done(bufs: Buffers, device: torch.device) -> list[int]:
     """The flags of the launch that ran last into ``bufs`` (zero-copy, with :func:`signal_done`): wait
-    for its ``done`` word (no stream sync; past :data:`SPIN_SECONDS`, a sync), read the flags, and
-    zero them (where one is set) and ``done`` for the next launch."""
+    for its ``done`` word (no stream sync; past :data:`SPIN_SECONDS`, until the word or a drained
+    stream), read the flags, and zero them (where one is set) and ``done`` for the next launch."""
     view = bufs.view
     if not view[DONE]:
         t_end = time.perf_counter() + SPIN_SECONDS
         while not view[DONE]:
             if time.perf_counter() > t_end:
-                torch.cuda.current_stream(device).synchronize()  # (then every flag is written)
+                stream = torch.cuda.current_stream(device)
+                while not view[DONE] and not stream.query():  # (drained: then every flag is written)
+                    time.sleep(0)
                 break
     values = view[:DONE].tolist()
     if any(values):

@@ -320,3 +320,27 @@ def test_a_signalling_check_launch_says_done_once_every_program_has_checked(devi
         assert done.tolist() == [1] and count.tolist() == [0]
         target.zero_()
         done.zero_()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_check_queued_behind_long_work_is_waited_for_without_a_stream_sync(monkeypatch):
+    """A check launch queued behind more than ``SPIN_SECONDS`` of work: the call watches its ``done`` word
+    (and the stream's state) until the check has run, and never syncs the stream to wait for it (which
+    would also wait for work queued after the check). Good values give clear flags, bad ones their flag."""
+    good = [Segment("all", torch.tensor([0, 5, 3], dtype=torch.int32, device="cuda"), lo=0, hi=5)]
+    bad = [Segment("all", torch.tensor([0, 7, 3], dtype=torch.int32, device="cuda"), lo=0, hi=5)]
+    assert _valcheck.flags(*good) == [0, 0]  # (compiled, launched once)
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("wait_done synced the stream")
+
+    for _ in range(2):
+        torch.cuda._sleep(40_000_000)  # (about 20 ms at 2 GHz: ten times SPIN_SECONDS)
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda.Stream, "synchronize", no_sync)
+            m.setattr(torch.cuda, "synchronize", no_sync)
+            assert _valcheck.flags(*good) == [0, 0]
+        torch.cuda._sleep(40_000_000)
+        assert _valcheck.flags(*bad) == [1, 0]  # (a flagged read drains the stream before it zeroes them)
+        assert _valcheck.flags(*good) == [0, 0]
