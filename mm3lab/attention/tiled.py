@@ -925,8 +925,7 @@ def tiled_attention_kernel(
         num_warps=num_warps or cfg["num_warps"],
     )
     if apart:  # the checks first, in a launch of their own (the host waits for them, not for the attention)
-        w_pad_c = next_power_of_2(width)
-        check_rows = max(1, 4096 // w_pad_c)
+        check_rows = max(1, 4096 // w_pad)
         checkers = max(1, min(CHECKERS, triton.cdiv(hkv * n_rows, check_rows)))
         _tiled_check[(checkers,)](
             sparse_bt,
@@ -942,12 +941,12 @@ def tiled_attention_kernel(
             width,
             *sparse_bt.stride(),
             *sparse_ctx.stride(),
-            W_PAD=w_pad_c,
+            W_PAD=w_pad,
             CHECK_ROWS=check_rows,
             PAGE=PAGE_SIZE,
             num_warps=4,
         )
-    # "auto": one launch for the tiles that walk their union (it runs the fused pre-pass and the checks),
+    # "auto": one launch for the tiles that walk their union (it runs the fused pre-pass, and the checks inside),
     # then one for the tiles that walk their rows (it reads the pre-pass's counts and skips the others)
     modes = {"union": (1,), "rows": (2,), "auto": (3, 4)}[mode]
     for i, launch_mode in enumerate(modes):
