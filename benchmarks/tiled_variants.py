@@ -12,6 +12,8 @@ timed as a CUDA-graph replay over rotating input sets (cold L2), median and cv:
     the pre-pass as a launch of its own (``prepass="kernel"``);
 ``union`` / ``rows``
     every tile walks its union / its rows (``mode``);
+``row_tile_programs``
+    the tiles that walk their rows do it with a program per tile (``row_programs=False``), not per row;
 ``factor_<f>``
     the rule's ``row_mode_factor`` (the default: :data:`mm3lab.attention.tiled.ROW_MODE_FACTOR`);
 ``t<T>_w<warps>_p<pages>_s<stages>``
@@ -46,6 +48,7 @@ ARMS = {
     "prepass_kernel": {"prepass": "kernel"},
     "union": {"mode": "union"},
     "rows": {"mode": "rows"},
+    "row_tile_programs": {"row_programs": False},
     "factor_0.7": {"row_mode_factor": 0.7},
     "factor_0.9": {"row_mode_factor": 0.9},
     "t8_w8_p4_s2": {"tile_rows": 8, "num_warps": 8, "pages_per_step": 4, "num_stages": 2},
@@ -54,7 +57,7 @@ ARMS = {
 }
 """Arm -> ``tiled_attention_kernel`` keyword arguments."""
 
-SAME_BITS = ("prepass_kernel", "factor_0.7", "factor_0.9")
+SAME_BITS = ("prepass_kernel", "row_tile_programs", "factor_0.7", "factor_0.9")
 """Arms whose output must equal the default's bit for bit (where every tile walks as in the default)."""
 
 

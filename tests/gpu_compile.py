@@ -233,7 +233,8 @@ def run_fused_checks(flags, signal) -> int:
     """The attention and decode-table launches that run a call's value checks themselves (a replayed
     checked call), the table's also keeping what it overwrites (a caller's ``out=``); the tiled kernel's
     checks as a launch of their own (its default) and in its first programs; and the tiled kernel's
-    pre-pass as a launch of its own (the default runs it inside the tiled launch)."""
+    pre-pass as a launch of its own (the default runs it inside the tiled launch), and its row walks a
+    program per tile."""
     from mm3lab.attention.kernel import sparse_attention_kernel
     from mm3lab.attention.tiled import tiled_attention_kernel
     from mm3lab.block_table.kernel import build_sparse_block_table_decode_kernel
@@ -256,10 +257,18 @@ def run_fused_checks(flags, signal) -> int:
                     q, cache.k_cache, cache.v_cache, sparse_bt, sparse_ctx, D**-0.5, out, lse, merge="launch"
                 )
                 calls += 2
-            # the tiled kernel with the checks as a launch of their own (the default) and in its first programs,
-            # and with its pre-pass as a launch of its own
+            # the tiled kernel with the checks as a launch of their own (the default) and in its first programs
+            # (also where every tile walks its rows, a program per row), with its pre-pass as a launch of its
+            # own, and with its row walks a program per tile
             inside = {"check": (fused, 16, 8), "check_launch": "inside"}
-            for kw in ({"check": (fused, 16, 8)}, inside, {"prepass": "kernel"}):
+            tiled_variants = (
+                {"check": (fused, 16, 8)},
+                inside,
+                {**inside, "mode": "rows"},
+                {"prepass": "kernel"},
+                {"row_programs": False},
+            )
+            for kw in tiled_variants:
                 tiled_attention_kernel(q, cache.k_cache, cache.v_cache, sparse_bt, sparse_ctx, D**-0.5, out, None, **kw)
                 calls += 1
         topk = torch.zeros(HKV, b, TOPK, dtype=torch.int32)

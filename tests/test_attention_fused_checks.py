@@ -52,11 +52,15 @@ def _signalled(signal) -> list:
     return flags.tolist()
 
 
+TILED_LAUNCHES = ("tiled", "tiled-inside", "tiled-rows-inside")
+
+
 def _attend(cache, q, bt, ctx, splits, out, check=None):
     """One launch of the per-row kernel (``splits`` splits) or, ``splits`` ``"tiled"`` (``"tiled-inside"``),
     of the tiled kernel with its fused pre-pass (one tile of 8 rows: 16 query vectors), its checks a launch of
-    their own (in the attention launch)."""
-    if splits in ("tiled", "tiled-inside"):
+    their own (in the attention launch); ``"tiled-rows-inside"``: every tile walks its rows, a program per row,
+    the checks in that launch."""
+    if splits in TILED_LAUNCHES:
         tiled.tiled_attention_kernel(
             q,
             cache.k_cache,
@@ -69,7 +73,8 @@ def _attend(cache, q, bt, ctx, splits, out, check=None):
             tile_rows=8,
             prepass="fused",
             check=check,
-            check_launch="inside" if splits == "tiled-inside" else "apart",
+            check_launch="apart" if splits == "tiled" else "inside",
+            mode="rows" if splits == "tiled-rows-inside" else "auto",
         )
     else:
         attn_kernel.sparse_attention_kernel(
@@ -142,7 +147,7 @@ def test_the_kernel_flags_exactly_what_the_value_checks_reject_cpu(layout, n, to
     topk=st.integers(1, 3),
     seed=st.integers(0, 2**16),
     spoils=SPOILS,
-    launch=st.sampled_from(["tiled", "tiled-inside"]),
+    launch=st.sampled_from(TILED_LAUNCHES),
 )
 def test_the_tiled_kernel_flags_exactly_what_the_value_checks_reject_cpu(layout, n, topk, seed, spoils, launch):
     _flags_match_the_checks("cpu", layout, n, topk, launch, seed, spoils)
@@ -161,12 +166,12 @@ SINGLE_SPOILS = [
 
 @pytest.mark.parametrize("spoil", SINGLE_SPOILS)
 @pytest.mark.parametrize("layout", ["dense", "packed"])
-@pytest.mark.parametrize("splits", [1, 3, "tiled", "tiled-inside"])
+@pytest.mark.parametrize("splits", [1, 3, *TILED_LAUNCHES])
 def test_each_kind_of_bad_entry_is_flagged_where_it_is_read(device, layout, splits, spoil):
     _flags_match_the_checks(device, layout, 3, 3, splits, 11, [spoil])
 
 
-@pytest.mark.parametrize("launch", ["tiled", "tiled-inside"])
+@pytest.mark.parametrize("launch", TILED_LAUNCHES)
 @pytest.mark.parametrize("spoil", SINGLE_SPOILS[::2])
 def test_one_checker_program_checks_the_whole_tiled_launch(device, spoil, launch, monkeypatch):
     """One checker program checks every row (apart: the check launch's only program; inside: the first
@@ -177,7 +182,7 @@ def test_one_checker_program_checks_the_whole_tiled_launch(device, spoil, launch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("launch", ["tiled", "tiled-inside"])
+@pytest.mark.parametrize("launch", TILED_LAUNCHES)
 @pytest.mark.parametrize("checkers", [1, 3, 128])
 def test_tiled_checkers_share_many_chunks(checkers, launch, monkeypatch):
     """Many rows (several chunks per checker, more programs than checkers): each spoiled entry is found."""
@@ -213,7 +218,7 @@ def test_the_kernel_flags_exactly_what_the_value_checks_reject_cuda():
             else:
                 spoils.append(("page", r[1], r[2], r[3] % 24, r[4] % 3))
         layout = ["dense", "packed"][case % 2]
-        splits = [1, 2, 3, "tiled", "tiled-inside"][case % 5]
+        splits = [1, 2, 3, *TILED_LAUNCHES][case % 6]
         _flags_match_the_checks("cuda", layout, 1 + case % 3, 1 + case % 3, splits, case, spoils)
 
 

@@ -36,12 +36,22 @@ from mm3lab.attention import choose_algorithm, tiled
 from mm3lab.constants import SPARSE_BLOCK_SIZE
 from mm3lab.testing import assert_close, poison
 
-TILE_MODES = ["auto", "union", "rows"]
+TILE_MODES = ["auto", "union", "rows", "auto/tile-programs", "rows/tile-programs"]
+"""The kernel's ``mode`` values; ``/tile-programs``: the row walks run one program per tile (``row_programs=False``)."""
+
+
+def mode_kwargs(name: str) -> dict:
+    """``tiled_attention_kernel`` keyword arguments of a :data:`TILE_MODES` name."""
+    mode, _, programs = name.partition("/")
+    return {"mode": mode, **({"row_programs": False} if programs == "tile-programs" else {})}
 
 
 def run_tiled(case: Case, mode: str | None = None, **launch):
     """The tiled kernel on poisoned outputs: through ``sparse_attention`` by default, else launched directly
-    in tile ``mode`` with ``launch`` overrides."""
+    in tile ``mode`` (a :data:`TILE_MODES` name) with ``launch`` overrides."""
+    if mode is not None:
+        launch = {**launch, **mode_kwargs(mode)}
+        mode = launch.pop("mode")
     if mode is None and not launch:
         out = poison(torch.empty_like(case.q))
         return mm3lab.sparse_attention(*case.args, return_lse=True, out=out, algorithm="tiled")
@@ -153,7 +163,7 @@ def test_ctx_zero_and_padded_rows_give_zeros(device):
     for mode in TILE_MODES:
         out = poison(torch.empty_like(q))
         lse = poison(torch.empty(5, 4, device=device))
-        tiled.tiled_attention_kernel(q, cache.k_cache, cache.v_cache, bt, ctx, 0.2, out, lse, mode=mode)
+        tiled.tiled_attention_kernel(q, cache.k_cache, cache.v_cache, bt, ctx, 0.2, out, lse, **mode_kwargs(mode))
         assert torch.equal(out.cpu(), torch.zeros(5, 4, 32)), mode
         assert torch.isinf(lse).all() and (lse < 0).all()
 
@@ -179,7 +189,9 @@ def test_raw_page_lists_with_repeats(device, tile_mode):
         expected, lse_e = mm3lab.reference.sparse_attention(q, cache.k_cache, cache.v_cache, bt, ctx, return_lse=True)
         out = poison(torch.empty_like(q))
         lse = poison(torch.empty(n, hkv * group, device=device))
-        tiled.tiled_attention_kernel(q, cache.k_cache, cache.v_cache, bt, ctx, d**-0.5, out, lse, mode=tile_mode)
+        tiled.tiled_attention_kernel(
+            q, cache.k_cache, cache.v_cache, bt, ctx, d**-0.5, out, lse, **mode_kwargs(tile_mode)
+        )
     assert_close(out, expected, atol=2e-5, rtol=2e-5)
     assert_lse_close(lse, lse_e, 1e-4, 2e-5)
 

@@ -32,10 +32,13 @@ row's own page list instead (the per-row algorithm, with the per-row kernel's ow
 steps): the rule is ``union_pages > row_mode_factor * row_pages``. Both walks share
 the per-row kernel's online-softmax update. The choice is made on the device, in
 two launches of the same kernel: the first runs the pre-pass (each program its own
-tile's, so no launch of its own) and the union walks, the second the row walks, each
-program skipping the tiles of the other walk. (One launch that compiles both walks ran
-slower code, 0.90 against 0.87 ms and 1.52 against 1.43 ms on an H100, where every
-tile walked its union.)
+tile's, so no launch of its own) and the union walks, the second the row walks, one
+program per (row, KV head) as in the per-row kernel, each program skipping the rows of
+the tiles that walk their union. (One launch that compiles both walks ran slower code,
+0.90 against 0.87 ms and 1.52 against 1.43 ms on an H100, where every tile walked its
+union. Row walks of one program per tile, its rows in turn, took 3.107 against 3.080 ms
+and 3.131 against 3.142 ms on independent random selections in two rounds on an H100, and
+0.948 of the per-row kernel's speed against 0.970 in whole benchmark runs.)
 
 With value checks (``check``), a small launch of :data:`CHECKERS` programs queued just before the
 attention checks every ctx and every used page id of the call, then tells the host, which need not
@@ -81,6 +84,9 @@ or ``"inside"`` (the first programs of the attention launch); see :func:`tiled_a
 
 ROW_MODE_FACTOR = 0.5
 """A tile walks its rows one by one when its union has more than this fraction of its rows' pages."""
+
+ROW_PROGRAMS = True
+"""The tiles that walk their rows do it with one program per (row, KV head), not one per tile."""
 
 
 def tile_unions(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pages: int, tile_rows: int):
@@ -579,7 +585,7 @@ def _walk_rows(
     table,
     outs,
     tile,  # as in _walk_union
-    T: tl.constexpr,
+    ROWS: tl.constexpr,
     GP16: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -589,7 +595,8 @@ def _walk_rows(
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """Each row of the tile walks its own page list (the per-row algorithm), one after the other."""
+    """Rows ``row0 .. row0 + ROWS - 1`` (the tile's, or one) each walk their own page list (the per-row
+    algorithm), one after the other."""
     q_ptr, stride_qn, stride_qh, stride_qd, qk_scale = query
     bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width = table
     h, row0, n_rows, group, _, _ = tile
@@ -599,7 +606,7 @@ def _walk_rows(
     offs_g = tl.arange(0, GP16)
     g_ok = offs_g < group
     heads = h * group + offs_g
-    for t in range(T):
+    for t in range(ROWS):
         n = row0 + t
         if n < n_rows:
             q = tl.load(
@@ -673,6 +680,7 @@ def _tiled_fwd(
     ROW_BLOCK_N: tl.constexpr,  # tokens per step in row mode
     PAGE: tl.constexpr,
     MODE: tl.constexpr,  # 1: the union walk, 2: row by row, 3 / 4: the tiles that the rule sends to 1 / 2
+    WALK_ROWS: tl.constexpr,  # rows per program: T, or (MODE 2 / 4 only) 1, a program per row (grid (tiles * T, Hkv))
     PLAIN_STEPS: tl.constexpr,  # skip the weights in steps whose pages every row reads whole, once
     FUSED: tl.constexpr,  # each program runs its tile's pre-pass itself (_tile_union), no pre-pass launch
     W_PAD: tl.constexpr,  # FUSED: the table width padded to a power of two
@@ -683,18 +691,22 @@ def _tiled_fwd(
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    tile = tl.program_id(0)
     h = tl.program_id(1)
     k_head = k_ptr + h.to(tl.int64) * stride_kh
     v_head = v_ptr + h.to(tl.int64) * stride_vh
-    row0 = tile * T
+    if WALK_ROWS == 1:  # this program walks one row of its tile
+        row0 = tl.program_id(0)
+        tile = row0 // T
+    else:
+        tile = tl.program_id(0)
+        row0 = tile * T
 
     tiles = (n_rows + T - 1) // T
     table = (bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width)
     if CHECK:
         # The call's value checks, shared by the first programs (the first to start), which then signal
         # the host: it need not wait for the rest of the launch, which never reads outside the cache.
-        pid = h * tiles + tile
+        pid = h * tl.num_programs(0) + tl.program_id(0)
         if pid < checkers:
             check = (flags_ptr, page_mod, page_mod_limit)
             _check_tables(table, check, pid, checkers, n_rows, tl.num_programs(1), num_pages, W_PAD, CHECK_ROWS, PAGE)
@@ -753,7 +765,20 @@ def _tiled_fwd(
         )
     if walk_rows:
         _walk_rows(
-            query, cache, table, outs, rows, T, GP16, D, D_PAD, ROW_BLOCK_N, PAGE, WRITE_LSE, DOT_PRECISION, INTERPRETED
+            query,
+            cache,
+            table,
+            outs,
+            rows,
+            WALK_ROWS,
+            GP16,
+            D,
+            D_PAD,
+            ROW_BLOCK_N,
+            PAGE,
+            WRITE_LSE,
+            DOT_PRECISION,
+            INTERPRETED,
         )
 
 
@@ -803,6 +828,8 @@ def tiled_attention_kernel(
     check=None,
     check_launch: str | None = None,
     row_block_n: int | None = None,
+    row_programs: bool | None = None,
+    row_num_stages: int | None = None,
 ) -> None:
     """Launch the pre-pass and the tiled kernel. Arguments are already validated.
 
@@ -811,6 +838,9 @@ def tiled_attention_kernel(
             ``"union"`` (every tile walks its union) or ``"rows"`` (every tile walks row by row).
         tile_rows, pages_per_step, num_warps, num_stages: override :func:`tiled_config` (tests, tuning).
         row_block_n: tokens per step of a tile that walks its rows one by one (tuning).
+        row_programs: the launch of the tiles that walk their rows runs one program per (row, KV head)
+            (``True``) or per (tile, KV head); default :data:`ROW_PROGRAMS`.
+        row_num_stages: that launch's pipeline depth (default: as ``num_stages``).
         plain_steps: skip the per-token weights in steps whose pages every row of the tile reads whole,
             once (the result is the same; tests and tuning turn it off).
         prepass: ``"fused"`` (each program of the tiled kernel runs its tile's :func:`tile_unions_kernel`
@@ -948,13 +978,20 @@ def tiled_attention_kernel(
         )
     # "auto": one launch for the tiles that walk their union (it runs the fused pre-pass, and the checks inside),
     # then one for the tiles that walk their rows (it reads the pre-pass's counts and skips the others)
+    # (a launch of row programs never runs the pre-pass: a tile's programs would all write its tables)
     modes = {"union": (1,), "rows": (2,), "auto": (3, 4)}[mode]
+    row_programs = ROW_PROGRAMS if row_programs is None else row_programs
+    row_depths = (row_num_stages,) if row_num_stages else depths
     for i, launch_mode in enumerate(modes):
         first = i == 0
-        fitting(_tiled_fwd, "num_stages", depths)[(tiles, hkv)](
+        per_row = row_programs and launch_mode in (2, 4)
+        fitting(_tiled_fwd, "num_stages", row_depths if launch_mode in (2, 4) else depths)[
+            (tiles * t if per_row else tiles, hkv)
+        ](
             *args,
             MODE=launch_mode,
-            FUSED=fused and first,
+            WALK_ROWS=1 if per_row else t,
+            FUSED=fused and first and not per_row,
             CHECK=check is not None and first and not apart,
             **constexprs,
         )
