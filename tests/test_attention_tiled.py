@@ -288,6 +288,24 @@ def test_both_prepasses_give_the_same_output(device, prepass):
     check_tiled(case, "union", tile_rows=4, prepass=prepass)
 
 
+@pytest.mark.parametrize("prepass", ["kernel", "fused"])
+def test_rule_splits_a_chunk_between_both_walks(device, prepass):
+    """The rule sends some tiles to their union and some to their rows (a factor between the tiles'
+    ratios): exact either way, and the same bits from each pre-pass (the launch's own, a launch of its
+    own, PyTorch's), which the two launches' choices are made from."""
+    case = make_chunk_case(device, "packed", (2, 4, 32), [700, 300], [40, 24], overlap=0.5, seed=4, topk=4)
+    readable = min(case.cache.k_cache.shape[0], case.cache.v_cache.shape[0])
+    _, count, row_pages, *_ = tiled.tile_unions(case.sparse_bt, case.sparse_ctx, readable, 4)
+    ratio = (count.float() / row_pages.clamp(min=1).float()).flatten().sort().values
+    factor = float(ratio[len(ratio) // 2])
+    by_union = count.float() <= factor * row_pages.float()
+    assert by_union.any() and not by_union.all()
+    got = run_tiled(case, "auto", tile_rows=4, prepass=prepass, row_mode_factor=factor)
+    check_tiled(case, "auto", tile_rows=4, prepass=prepass, row_mode_factor=factor)
+    other = run_tiled(case, "auto", tile_rows=4, prepass="torch", row_mode_factor=factor)
+    assert torch.equal(got[0], other[0]) and torch.equal(got[1], other[1])
+
+
 # ----------------------------------------------------------------------------
 # overlap levels, property-based
 # ----------------------------------------------------------------------------
