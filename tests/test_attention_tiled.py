@@ -33,6 +33,7 @@ from test_attention import (
 
 import mm3lab
 from mm3lab.attention import choose_algorithm, tiled
+from mm3lab.attention.checks import readable_pages
 from mm3lab.constants import SPARSE_BLOCK_SIZE
 from mm3lab.testing import assert_close, poison
 
@@ -59,6 +60,7 @@ def run_tiled(case: Case, mode: str | None = None, **launch):
 
 
 def check_tiled(case: Case, mode: str | None = None, dense: bool = True, **launch):
+    """The tiled kernel's ``(out, lse)`` (as :func:`run_tiled`), checked against the references."""
     dtype = case.q.dtype
     atol, rtol = TOLERANCE[dtype]
     out_ref, lse_ref = run_reference(case)
@@ -69,6 +71,7 @@ def check_tiled(case: Case, mode: str | None = None, dense: bool = True, **launc
     if dense and dtype == torch.float32:
         out_dense, _ = run_dense(case)
         assert_close(out_t, out_dense, atol=atol, rtol=rtol, name="tiled vs dense-masked")
+    return out_t, lse_t
 
 
 def make_chunk_case(
@@ -294,14 +297,13 @@ def test_rule_splits_a_chunk_between_both_walks(device, prepass):
     ratios): exact either way, and the same bits from each pre-pass (the launch's own, a launch of its
     own, PyTorch's), which the two launches' choices are made from."""
     case = make_chunk_case(device, "packed", (2, 4, 32), [700, 300], [40, 24], overlap=0.5, seed=4, topk=4)
-    readable = min(case.cache.k_cache.shape[0], case.cache.v_cache.shape[0])
+    readable = readable_pages(case.cache.k_cache, case.cache.v_cache)
     _, count, row_pages, *_ = tiled.tile_unions(case.sparse_bt, case.sparse_ctx, readable, 4)
     ratio = (count.float() / row_pages.clamp(min=1).float()).flatten().sort().values
     factor = float(ratio[len(ratio) // 2])
     by_union = count.float() <= factor * row_pages.float()
     assert by_union.any() and not by_union.all()
-    got = run_tiled(case, "auto", tile_rows=4, prepass=prepass, row_mode_factor=factor)
-    check_tiled(case, "auto", tile_rows=4, prepass=prepass, row_mode_factor=factor)
+    got = check_tiled(case, "auto", tile_rows=4, prepass=prepass, row_mode_factor=factor)
     other = run_tiled(case, "auto", tile_rows=4, prepass="torch", row_mode_factor=factor)
     assert torch.equal(got[0], other[0]) and torch.equal(got[1], other[1])
 

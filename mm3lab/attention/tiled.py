@@ -984,10 +984,9 @@ def tiled_attention_kernel(
     row_depths = (row_num_stages,) if row_num_stages else depths
     for i, launch_mode in enumerate(modes):
         first = i == 0
-        per_row = row_programs and launch_mode in (2, 4)
-        fitting(_tiled_fwd, "num_stages", row_depths if launch_mode in (2, 4) else depths)[
-            (tiles * t if per_row else tiles, hkv)
-        ](
+        row_launch = launch_mode in (2, 4)
+        per_row = row_programs and row_launch
+        fitting(_tiled_fwd, "num_stages", row_depths if row_launch else depths)[(tiles * t if per_row else tiles, hkv)](
             *args,
             MODE=launch_mode,
             WALK_ROWS=1 if per_row else t,
