@@ -291,11 +291,16 @@ def test_both_prepasses_give_the_same_output(device, prepass):
     check_tiled(case, "union", tile_rows=4, prepass=prepass)
 
 
-@pytest.mark.parametrize("prepass", ["kernel", "fused"])
-def test_rule_splits_a_chunk_between_both_walks(device, prepass):
+@pytest.mark.parametrize("tile_mode", ["auto", "auto/tile-programs"])
+@pytest.mark.parametrize("prepass", ["kernel", "fused", "fused-all-tables"])
+def test_rule_splits_a_chunk_between_both_walks(device, prepass, tile_mode, monkeypatch):
     """The rule sends some tiles to their union and some to their rows (a factor between the tiles'
-    ratios): exact either way, and the same bits from each pre-pass (the launch's own, a launch of its
-    own, PyTorch's), which the two launches' choices are made from."""
+    ratios): exact either way, and the same bits from each pre-pass (the launch's own, which gives the
+    tiles that walk their rows their counts only or, ``fused-all-tables``, every table; a launch of its
+    own; PyTorch's), which the two launches' choices are made from."""
+    if prepass == "fused-all-tables":
+        monkeypatch.setattr(tiled, "PREPASS_BY_RULE", False)
+        prepass = "fused"
     case = make_chunk_case(device, "packed", (2, 4, 32), [700, 300], [40, 24], overlap=0.5, seed=4, topk=4)
     readable = readable_pages(case.cache.k_cache, case.cache.v_cache)
     _, count, row_pages, *_ = tiled.tile_unions(case.sparse_bt, case.sparse_ctx, readable, 4)
@@ -303,7 +308,7 @@ def test_rule_splits_a_chunk_between_both_walks(device, prepass):
     factor = float(ratio[len(ratio) // 2])
     by_union = count.float() <= factor * row_pages.float()
     assert by_union.any() and not by_union.all()
-    got = check_tiled(case, "auto", tile_rows=4, prepass=prepass, row_mode_factor=factor)
+    got = check_tiled(case, tile_mode, tile_rows=4, prepass=prepass, row_mode_factor=factor)
     other = run_tiled(case, "auto", tile_rows=4, prepass="torch", row_mode_factor=factor)
     assert torch.equal(got[0], other[0]) and torch.equal(got[1], other[1])
 

@@ -88,6 +88,12 @@ ROW_MODE_FACTOR = 0.5
 ROW_PROGRAMS = True
 """The tiles that walk their rows do it with one program per (row, KV head), not one per tile."""
 
+PREPASS_BY_RULE = True
+"""The fused pre-pass of the rule's union-walk launch writes a tile that walks its rows its count and
+row pages only (nothing reads its other tables); ``False``: every tile's whole tables. The same bits;
+on independent random selections (every tile walks its rows) 3.103 / 3.040 ms against 3.142 / 3.079 ms
+in two rounds on an H100 (graph; ``tiled-variants-2026-12-07.json``, run h), no change on the others."""
+
 
 def tile_unions(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pages: int, tile_rows: int):
     """The pre-pass in PyTorch (the readable form of :func:`tile_unions_kernel`, which the tiled kernel
@@ -166,10 +172,12 @@ def _tile_union(
     tiles,
     n_rows,
     num_pages,
+    row_mode_factor,
     T: tl.constexpr,
     W_PAD: tl.constexpr,
     PAGE: tl.constexpr,
     KEY32: tl.constexpr,  # the sort keys fit in int32 (``num_pages * T * 32 < 2**31``): half the sort's work
+    BY_RULE: tl.constexpr,  # only a tile that the rule sends to its union walk gets its union tables
 ):
     """The pre-pass of one (tile, KV head): sort the tile's used entries by (page, row, tokens), then
     count; returns the tile's ``(count, row_pages)``.
@@ -178,7 +186,9 @@ def _tile_union(
     one (page, row), are neighbours, and ``at`` (an entry's union page) never decreases, so a running
     maximum restarts at every page. The last entry of each page (and of each (page, row)) stores its
     page's numbers; only ``whole``'s first ``count * T`` entries are zeroed first. Tables past ``count``
-    are left as they are (the tiled kernel never reads them), but ``union``, which is ``-1`` there."""
+    are left as they are (the tiled kernel never reads them), but ``union``, which is ``-1`` there.
+    With ``BY_RULE``, a tile that the rule (``count > row_mode_factor * row_pages``) sends to its row
+    walks gets its count and row pages only: nothing reads its other tables."""
     bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width = table
     union_ptr, count_ptr, rowpages_ptr, whole_ptr, live_ptr, plain_ptr = tables
     u_len = T * width
@@ -209,14 +219,32 @@ def _tile_union(
     prev = tl.gather(key, tl.maximum(o - 1, 0), 0) // 32
     first_page = valid & ((o == 0) | (prev // T != pg))
     first_pr = valid & ((o == 0) | (prev != pr))
-    at = tl.cumsum(first_page.to(tl.int32), 0) - 1
     count = tl.sum(first_page.to(tl.int32), 0)
     base = h.to(tl.int64) * tiles + tile
-    tl.store(union_ptr + base * u_len + at, pg.to(tl.int32), mask=first_page)
-    tl.store(union_ptr + base * u_len + o, -1, mask=(o >= count) & (o < u_len))
     row_pages = tl.sum(used.to(tl.int32), 0)
     tl.store(count_ptr + base, count)
     tl.store(rowpages_ptr + base, row_pages)
+    if BY_RULE:
+        tables_needed = count.to(tl.float32) <= row_mode_factor * row_pages.to(tl.float32)
+    else:
+        tables_needed = True
+    if tables_needed:
+        sorted_entries = (key, valid, pg, pr, first_page, first_pr, count)
+        _union_tables(sorted_entries, tables, base, u_len, T, L, PAGE, big)
+    return count, row_pages
+
+
+@triton.jit
+def _union_tables(
+    sorted_entries, tables, base, u_len, T: tl.constexpr, L: tl.constexpr, PAGE: tl.constexpr, big: tl.constexpr
+):
+    """The union tables of one (tile, KV head) from its sorted entries (the rest of :func:`_tile_union`)."""
+    key, valid, pg, pr, first_page, first_pr, count = sorted_entries
+    union_ptr, _, _, whole_ptr, live_ptr, plain_ptr = tables
+    o = tl.arange(0, L)
+    at = tl.cumsum(first_page.to(tl.int32), 0) - 1
+    tl.store(union_ptr + base * u_len + at, pg.to(tl.int32), mask=first_page)
+    tl.store(union_ptr + base * u_len + o, -1, mask=(o >= count) & (o < u_len))
     tok = (key % 32).to(tl.int32)
     row = (pr % T).to(tl.int32)
     whole_e = valid & (tok == PAGE)
@@ -246,7 +274,6 @@ def _tile_union(
         z += L
     tl.debug_barrier()
     tl.store(whole_row + at * T + row, w_pr, mask=last_pr)
-    return count, row_pages
 
 
 @triton.jit
@@ -352,7 +379,7 @@ def _tile_unions_fwd(
     table = (bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width)
     tables = (union_ptr, count_ptr, rowpages_ptr, whole_ptr, live_ptr, plain_ptr)
     tile, h, tiles = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
-    _tile_union(table, tables, tile, h, tiles, n_rows, num_pages, T, W_PAD, PAGE, KEY32)
+    _tile_union(table, tables, tile, h, tiles, n_rows, num_pages, 0.0, T, W_PAD, PAGE, KEY32, False)
 
 
 def tile_unions_kernel(sparse_bt: torch.Tensor, sparse_ctx: torch.Tensor, num_pages: int, tile_rows: int):
@@ -685,6 +712,7 @@ def _tiled_fwd(
     FUSED: tl.constexpr,  # each program runs its tile's pre-pass itself (_tile_union), no pre-pass launch
     W_PAD: tl.constexpr,  # FUSED: the table width padded to a power of two
     KEY32: tl.constexpr,  # FUSED: int32 sort keys (see _tile_union)
+    BY_RULE: tl.constexpr,  # FUSED, MODE 3: the pre-pass gives the tiles the rule sends to rows their counts only
     CHECK: tl.constexpr,  # the first programs run the call's value checks and signal the host
     CHECK_ROWS: tl.constexpr,  # CHECK: rows per checked chunk
     WRITE_LSE: tl.constexpr,
@@ -713,7 +741,10 @@ def _tiled_fwd(
             signal_done_of(launches_ptr, done_ptr, checkers)
     if FUSED:  # this program's own pre-pass, read back below by the same program (after a barrier)
         tables = (union_ptr, count_ptr, rowpages_ptr, whole_ptr, live_ptr, plain_ptr)
-        count, row_pages = _tile_union(table, tables, tile, h, tiles, n_rows, num_pages, T, W_PAD, PAGE, KEY32)
+        # (the launch of the rule's union walks writes a row-walking tile's count and row pages only)
+        count, row_pages = _tile_union(
+            table, tables, tile, h, tiles, n_rows, num_pages, row_mode_factor, T, W_PAD, PAGE, KEY32, BY_RULE
+        )
         tl.debug_barrier()
     else:
         count = tl.load(count_ptr + h * tiles + tile)
@@ -991,6 +1022,7 @@ def tiled_attention_kernel(
             MODE=launch_mode,
             WALK_ROWS=1 if per_row else t,
             FUSED=fused and first and not per_row,
+            BY_RULE=PREPASS_BY_RULE and launch_mode == 3,
             CHECK=check is not None and first and not apart,
             **constexprs,
         )
@@ -998,7 +1030,9 @@ def tiled_attention_kernel(
 
 __all__ = [
     "CHECK_LAUNCH",
+    "PREPASS_BY_RULE",
     "ROW_MODE_FACTOR",
+    "ROW_PROGRAMS",
     "neighbour_share",
     "tile_unions",
     "tile_unions_kernel",
