@@ -38,7 +38,10 @@ the tiles that walk their union. (One launch that compiles both walks ran slower
 0.90 against 0.87 ms and 1.52 against 1.43 ms on an H100, where every tile walked its
 union. Row walks of one program per tile, its rows in turn, took 3.107 against 3.080 ms
 and 3.131 against 3.142 ms on independent random selections in two rounds on an H100, and
-0.948 of the per-row kernel's speed against 0.970 in whole benchmark runs.)
+0.948 of the per-row kernel's speed against 0.970 in whole benchmark runs. Taking the row walks
+from a list, which the first launch writes and a few programs per SM drain through a counter, so that
+the second launch starts no programs for the tiles that walk their union, lost on every selection:
+0.919 against 0.905 ms on the tile-shared one, 3.188 against 3.091 ms on the random one.)
 
 With value checks (``check``), a small launch of :data:`CHECKERS` programs queued just before the
 attention checks every ctx and every used page id of the call, then tells the host, which need not
