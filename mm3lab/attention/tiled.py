@@ -167,6 +167,13 @@ def _running_max(a, b):
 
 
 @triton.jit
+def _walks_union(count, row_pages, row_mode_factor):
+    """The rule: a tile walks its union (else its rows) when its union has at most ``row_mode_factor`` of
+    its rows' pages. One expression for the pre-pass and both launches, which must agree on every tile."""
+    return count.to(tl.float32) <= row_mode_factor * row_pages.to(tl.float32)
+
+
+@triton.jit
 def _tile_union(
     table,  # (bt_ptr, stride_bh, stride_bn, stride_bw, ctx_ptr, stride_ch, stride_cn, width)
     tables,  # (union_ptr [Hkv, tiles, U], count_ptr, rowpages_ptr, whole_ptr [Hkv, tiles, U, T], live_ptr, plain_ptr)
@@ -228,7 +235,7 @@ def _tile_union(
     tl.store(count_ptr + base, count)
     tl.store(rowpages_ptr + base, row_pages)
     if BY_RULE:
-        tables_needed = count.to(tl.float32) <= row_mode_factor * row_pages.to(tl.float32)
+        tables_needed = _walks_union(count, row_pages, row_mode_factor)
     else:
         tables_needed = True
     if tables_needed:
@@ -759,7 +766,7 @@ def _tiled_fwd(
         walk_union = False
         walk_rows = True
     else:  # the rule; each launch takes its own tiles (one launch with both walks compiles slower code)
-        by_union = count.to(tl.float32) <= row_mode_factor * row_pages.to(tl.float32)
+        by_union = _walks_union(count, row_pages, row_mode_factor)
         if MODE == 3:
             walk_union = by_union
             walk_rows = False
