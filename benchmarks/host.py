@@ -9,7 +9,9 @@ and host read (on a GPU; with validation on, CPU tensors run the value checks as
 instead). The GPU results' eager records hold the whole host time per call (``host_ms``).
 Those calls take the normal path (no replays); then ``msa_decode`` takes the recorded path a
 repeated call takes on a GPU (``path: "recorded"``: its launches recorded as they are made and
-replayed through a launcher that returns at once, :func:`benchmarks.offline.install_recordings`).
+replayed through a launcher that returns at once, :func:`benchmarks.offline.install_recordings`),
+and ``sparse_attention`` and the decode block table the replayed path of a repeated call shape
+(``path: "replayed"``, :class:`mm3lab._replay.Memo`), validation off.
 
 The records (``benchmarks/results/host/cpu.json``) give the median microseconds per call over
 samples of many calls, with the coefficient of variation, ``mode: "host"``, validation on and
@@ -33,6 +35,7 @@ import torch
 
 import mm3lab
 from benchmarks.common import RESULTS_DIR, _stats
+from mm3lab import _replay
 from mm3lab.msa import layer as msa_layer
 
 RESULTS = RESULTS_DIR / "host" / "cpu.json"  # (its own folder: the GPU results are the *.json beside it)
@@ -142,6 +145,47 @@ def run_recorded(calls: int, samples: int) -> list[dict]:
                 flush=True,
             )
     recorded.KNOWN_CALLS = default
+    return records + run_replayed(calls, samples)
+
+
+def run_replayed(calls: int, samples: int) -> list[dict]:
+    """The replayed path of a repeated call shape (:class:`mm3lab._replay.Memo`, what a repeated call takes
+    on a GPU) of ``sparse_attention`` and of the decode block table (into caller-owned buffers, as a
+    decode loop calls it), validation off: the key, the lookup, the outputs and the replay's launches."""
+    records = []
+    for batch, context in SHAPES:
+        layer = offline.model_layer(torch.bfloat16, "packed", False, batch=batch, context=context)
+        entry = _entry_points(layer)
+        n = layer["q"].shape[0]
+        topk_idx = torch.zeros(offline.HKV, n, offline.TOPK, dtype=torch.int32)
+        table = (topk_idx, layer["block_table"], layer["seq_lens"])
+        stride = mm3lab.sparse_block_page_stride(layer["k_cache"], layer["v_cache"])
+        out = mm3lab.build_sparse_block_table_decode(*table, block_page_stride=stride)
+
+        def table_call(table=table, stride=stride, out=out):
+            return mm3lab.build_sparse_block_table_decode(*table, block_page_stride=stride, out=out)
+
+        calls_of = {"sparse_attention": entry["sparse_attention"], "build_sparse_block_table_decode": table_call}
+        for name, fn in calls_of.items():
+            _replay.clear_memos()
+            with mm3lab.validation(False), offline.memo_keys_cpu_calls():
+                us, cv = _time(fn, calls, samples)  # (its first call records; the others replay)
+            (memo,) = [m for m in _replay._MEMOS if m.name == name]
+            assert [e.recording is not None for e in memo._entries().values()] == [True], f"{name} did not replay"
+            records.append(
+                {
+                    "name": name,
+                    "shape": {"batch": batch, "context": context, "dtype": "bf16"},
+                    "mode": "host",
+                    "path": "replayed",
+                    "validation": False,
+                    "us": round(us, 1),
+                    "cv": round(cv, 4),
+                    "calls": calls,
+                    "samples": samples,
+                }
+            )
+            print(f"{name + ' (replayed)':30s} batch {batch:3d}  validation off  {us:7.1f} us  cv {cv:.3f}", flush=True)
     return records
 
 

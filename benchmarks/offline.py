@@ -15,6 +15,7 @@ back on the host.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -95,10 +96,12 @@ def install(launch) -> None:
 
 
 def install_recordings() -> None:
-    """After :func:`install`: the one-shot decode step (:mod:`mm3lab.msa.recorded`) takes its recorded
-    path on CPU tensors, as on a GPU. Its launches are recorded with the arguments they are given (the
-    input tensors by name, as :class:`mm3lab._replay.Recording` keeps them) and replayed through a
-    launcher that returns at once: what is left is mm3lab's own Python on that path."""
+    """After :func:`install`: the one-shot decode step (:mod:`mm3lab.msa.recorded`) and the repeated call
+    shapes of single entry points (their :class:`mm3lab._replay.Memo`) take their recorded paths on CPU
+    tensors, as on a GPU (the memos inside :func:`memo_keys_cpu_calls`). Their launches are recorded with
+    the arguments they are given (the input tensors by name, as :class:`mm3lab._replay.Recording` keeps
+    them) and replayed through a launcher that returns at once: what is left is mm3lab's own Python on
+    those paths."""
     from mm3lab import _replay
     from mm3lab.attention import TILED_MIN_ROWS
     from mm3lab.msa import recorded
@@ -125,3 +128,15 @@ def install_recordings() -> None:
     _replay._platform_supported = lambda: True
     _replay.current_stream = lambda device: 0
     recorded.applies = lambda args: not args.return_intermediates and args.q.shape[0] < TILED_MIN_ROWS
+
+
+@contextlib.contextmanager
+def memo_keys_cpu_calls():
+    """After :func:`install_recordings`: every tensor says it is on a GPU (``is_cuda``), so that the memos
+    key CPU calls as they key GPU ones. Validation off only (the value checks would take their GPU path)."""
+    previous = torch.Tensor.is_cuda
+    torch.Tensor.is_cuda = property(lambda self: True)
+    try:
+        yield
+    finally:
+        torch.Tensor.is_cuda = previous

@@ -279,7 +279,8 @@ class _no_warning_check:
 
 
 def test_host_suite_runs_without_a_gpu(tmp_path):
-    """``python3 -m benchmarks.host``: every record, validation on and off, the layer's memo on and off."""
+    """``python3 -m benchmarks.host``: every record, validation on and off, the layer's memo on and off,
+    the recorded and replayed paths."""
     import json
     import os
     import subprocess
@@ -299,6 +300,7 @@ def test_host_suite_runs_without_a_gpu(tmp_path):
         "index_topk_decode",
         "index_topk_block_table_decode",
         "msa_decode",
+        "build_sparse_block_table_decode",
     }
     assert all(r["mode"] == "host" and r["us"] > 0 for r in records)
     layer = [r for r in records if r["name"] == "msa_decode" and "path" not in r]
@@ -306,6 +308,10 @@ def test_host_suite_runs_without_a_gpu(tmp_path):
     assert {(r["validation"], r["passed_checks"]) for r in layer} == {(v, m) for v in both for m in both}
     replayed = [r for r in records if r.get("path") == "recorded"]
     assert {(r["shape"]["batch"], r["known_calls"]) for r in replayed} == {(b, k) for b in (1, 16) for k in both}
+    memo = [r for r in records if r.get("path") == "replayed"]  # (the suite asserts that they replayed)
+    assert {(r["name"], r["shape"]["batch"]) for r in memo} == {
+        (name, b) for name in ("sparse_attention", "build_sparse_block_table_decode") for b in (1, 16)
+    }
 
 
 def test_the_eager_ab_runs_every_arm_and_keeps_nothing_changed(capsys):
