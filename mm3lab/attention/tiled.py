@@ -41,7 +41,13 @@ and 3.131 against 3.142 ms on independent random selections in two rounds on an 
 0.948 of the per-row kernel's speed against 0.970 in whole benchmark runs. Taking the row walks
 from a list, which the first launch writes and a few programs per SM drain through a counter, so that
 the second launch starts no programs for the tiles that walk their union, lost on every selection:
-0.919 against 0.905 ms on the tile-shared one, 3.188 against 3.091 ms on the random one.)
+0.919 against 0.905 ms on the tile-shared one, 3.188 against 3.091 ms on the random one. Where every
+tile walks its union, the rule's two launches cost about 33 us over ``mode="union"`` on an H100: about
+16 us in the first launch's code (0.887 / 0.888 against 0.871 / 0.890 ms, two rounds) and about 25 us for
+the second launch, whose programs all skip. Compiling the first launch's union walk outside a branch,
+a tile the rule sends to its rows walking no page, lost: 0.911 / 0.925 against 0.904 / 0.923 ms on
+the tile-shared chunk, 1.469 / 1.471 against 1.458 / 1.459 ms on the synthetic one and 3.106 against
+3.089 ms on the random one.)
 
 With value checks (``check``), a small launch of :data:`CHECKERS` programs queued just before the
 attention checks every ctx and every used page id of the call, then tells the host, which need not
