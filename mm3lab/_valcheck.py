@@ -54,6 +54,7 @@ __all__ = [
     "Segment",
     "flags",
     "flags_known",
+    "fused_buffers",
     "fused_flags",
     "gate",
     "kernel_on_cpu",
@@ -672,14 +673,22 @@ def fused_flags(device: torch.device) -> Fused | None:
     return Fused(bufs.host, *bufs.signal)
 
 
-def read_fused(device: torch.device) -> list[int]:
+def fused_buffers(device: torch.device) -> Buffers:
+    """The buffers behind :func:`fused_flags` on ``device`` (this thread's), for a caller that keeps them
+    from call to call and passes them to :func:`read_fused` (a memo entry: it is kept per thread, and
+    never used while a CUDA graph is captured)."""
+    return _flags_buffers(device)
+
+
+def read_fused(device: torch.device, bufs: Buffers | None = None) -> list[int]:
     """The flags a launch wrote into :func:`fused_flags`' buffers, once it has said they are all written
-    (:func:`wait_done`: one host read, no stream sync), zeroed again where one is set.
+    (:func:`wait_done`: one host read, no stream sync), zeroed again where one is set. ``bufs``: those
+    buffers as :func:`fused_buffers` gave them (this thread's, for ``device``), which saves looking them up.
 
     Every launch given :func:`fused_flags` must be followed by this (or :func:`settle`) before the
     next such launch: ``done`` is zero when a launch starts only because its reader zeroes it."""
     _stats["host_reads"] += 1
-    return wait_done(_flags_buffers(device), device)
+    return wait_done(_flags_buffers(device) if bufs is None else bufs, device)
 
 
 def settle(device: torch.device, *, sync: bool = False) -> None:
@@ -761,16 +770,19 @@ def flags_known(key, segments, then=None) -> list[int]:
     return values
 
 
-def replay_checked(recording, inputs: dict, device: torch.device, stream, fused: Fused | None) -> bool:
+def replay_checked(
+    recording, inputs: dict, device: torch.device, stream, fused: Fused | None, bufs: Buffers | None = None
+) -> bool:
     """Replay ``recording`` (:meth:`mm3lab._replay.Recording.replay`) whose launch runs the call's value
-    checks itself where ``fused`` (:func:`fused_flags`): whether that launch flagged a value."""
+    checks itself where ``fused`` (:func:`fused_flags`): whether that launch flagged a value. ``bufs``:
+    ``fused``'s buffers (:func:`fused_buffers`), where the caller kept them."""
     try:
         recording.replay(inputs, device, stream)
     except BaseException:
         if fused is not None:
             settle(device, sync=True)
         raise
-    return fused is not None and any(read_fused(device))
+    return fused is not None and any(read_fused(device, bufs))
 
 
 def record_checked(launch, inputs: dict, device: torch.device, fused: Fused | None):

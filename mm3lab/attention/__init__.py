@@ -128,11 +128,11 @@ def sparse_attention(
         if entry.recording is None:  # (seen, not replayable: the normal path)
             key = None
         else:
-            block_page_stride, fused = entry.info
-            if fused is None:
+            block_page_stride, fused, bufs, check_values = entry.info
+            if check_values:  # (validation on, the checks not in the launch)
                 check_sparse_attention_values(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride)
             out, lse, inputs = _outputs(q, k_cache, v_cache, sparse_bt, sparse_ctx, k_scale, v_scale, return_lse, out)
-            if _valcheck.replay_checked(entry.recording, inputs, q.device, key[0], fused):
+            if _valcheck.replay_checked(entry.recording, inputs, q.device, key[0], fused, bufs):
                 # the checks' own message (they find what the launch flagged)
                 _detail(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride)
                 raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
@@ -159,7 +159,9 @@ def sparse_attention(
     args = (q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, return_lse, out, algorithm, k_scale, v_scale)
     launch = lambda: _attend_checked(*args, lse=lse, check=check)  # noqa: E731
     returned, recording = _valcheck.record_checked(launch, inputs, q.device, fused)
-    _MEMO.put(key, recording, (block_page_stride, fused))
+    # (what a replay needs: the key holds the validation setting, so check_values holds for every replay)
+    bufs = None if fused is None else _valcheck.fused_buffers(q.device)
+    _MEMO.put(key, recording, (block_page_stride, fused, bufs, fused is None and validation_enabled()))
     return returned  # (the kernels wrote out and lse; a PyTorch path returns its own, and is not replayed)
 
 

@@ -127,13 +127,13 @@ def build_sparse_block_table_decode(
         if entry.recording is None:  # (seen, not replayable: the normal path)
             key = None
         else:
-            fused, backup = entry.info
-            if fused is None:
+            fused, backup, bufs, check_values = entry.info
+            if check_values:  # (validation on, the checks not in the launch)
                 check_decode_values(topk_idx, block_table, seq_lens, block_page_stride)
             out = _outputs(topk_idx, out)
             inputs = {"topk_idx": topk_idx, "block_table": block_table, "seq_lens": seq_lens}
             inputs.update(sparse_bt=out[0], sparse_ctx=out[1])
-            if _valcheck.replay_checked(entry.recording, inputs, topk_idx.device, key[0], fused):
+            if _valcheck.replay_checked(entry.recording, inputs, topk_idx.device, key[0], fused, bufs):
                 if backup is not None:  # the caller's buffers as they were (SPEC 7), in stream order
                     out[0].copy_(backup[0])
                     out[1].copy_(backup[1])
@@ -161,7 +161,9 @@ def build_sparse_block_table_decode(
         "build_sparse_block_table_decode", topk_idx, block_table, rows, block_page_stride, out, check
     )
     returned, recording = _valcheck.record_checked(launch, inputs, topk_idx.device, fused)
-    _MEMO.put(key, recording, (fused, backup))
+    # (what a replay needs: the key holds the validation setting, so check_values holds for every replay)
+    bufs = None if fused is None else _valcheck.fused_buffers(topk_idx.device)
+    _MEMO.put(key, recording, (fused, backup, bufs, fused is None and validation_enabled()))
     return returned
 
 
