@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import threading
 from typing import NamedTuple
 
@@ -294,6 +295,70 @@ last_reason = ""
 class MemoEntry(NamedTuple):
     recording: Recording | None
     info: object
+    cheap: tuple = ()
+    guard: object = None
+
+
+class CallKey:
+    """A call's :class:`Memo` key: ``cheap``, a tuple compared by equality (the current stream first, then
+    the PDL setting, the scalar arguments, each per-call tensor's 16-byte alignment and each cache's
+    address), and ``tensors``, whose metadata a kept entry's guard compares (:func:`tensor_guard`).
+    ``token`` names the kept call shape it matched or made (:meth:`Memo.get`, :meth:`Memo.put`):
+    unique in the process, so it can key what a kept shape fixes (:func:`mm3lab._valcheck.flags_known`)."""
+
+    __slots__ = ("cheap", "tensors", "token")
+
+    def __init__(self, cheap: tuple, tensors: tuple):
+        self.cheap, self.tensors, self.token = cheap, tensors, None
+
+    @property
+    def stream(self):
+        """The current stream's handle when the key was made (:func:`current_stream`)."""
+        return self.cheap[0]
+
+
+_PLAIN = frozenset({bool, int, float, str, type(None)})
+"""Scalar argument types a key compares (by type and value); any other scalar: the memo does not apply."""
+
+_tokens = itertools.count()
+
+
+class _MetaGuard:
+    """:func:`tensor_guard` where PyTorch's own is missing: the tensors' shapes, strides, dtypes and devices."""
+
+    __slots__ = ("meta",)
+
+    def __init__(self, tensors):
+        self.meta = _meta(tensors)
+
+    def check(self, *tensors) -> bool:
+        return _meta(tensors) == self.meta
+
+
+def _meta(tensors) -> tuple:
+    return tuple((t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad) for t in tensors)
+
+
+def tensor_guard(tensors: tuple):
+    """An object whose ``check(*others)`` says whether ``others`` have the metadata of ``tensors``: the
+    same shapes, strides, dtypes, devices, ``requires_grad`` and dispatch keys. PyTorch's compiled
+    tensor guard (the C++ check behind ``torch.compile``'s guards) where it is there: about 0.1 us per
+    tensor, where reading the same in Python costs about 0.5 us; else the same read in Python."""
+    if _TensorGuards is not None:
+        try:
+            sizes = [list(t.shape) for t in tensors]
+            return _TensorGuards(
+                *tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=[list(t.stride()) for t in tensors]
+            )
+        except Exception:  # (another PyTorch's signature: the Python read)
+            pass
+    return _MetaGuard(tensors)
+
+
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover (PyTorch without it)
+    _TensorGuards = None
 
 
 class Memo:
@@ -310,7 +375,8 @@ class Memo:
     alignment (what the checks read and what Triton specializes on), each cache's address too
     (a cache is rarely new, and its address decides the layout checks), the scalar arguments,
     the current stream (recordings keep scratch buffers, reused in stream order) and the PDL setting
-    (:data:`mm3lab._pdl.ENABLED`: it decides the launches). It applies on the
+    (:data:`mm3lab._pdl.ENABLED`: it decides the launches). Tensor metadata is compared by a guard
+    kept with each shape (:func:`tensor_guard`), the rest by equality. It applies on the
     ``triton`` backend only (the others launch no compiled kernels).
     """
 
@@ -322,16 +388,17 @@ class Memo:
         _MEMOS.append(self)
 
     def _entries(self) -> collections.OrderedDict:
+        """This thread's kept shapes, by token, least recently used first."""
         entries = getattr(self._local, "entries", None)
         if entries is None:
             entries = self._local.entries = collections.OrderedDict()
         return entries
 
     @staticmethod
-    def key(per_call: tuple, caches: tuple, scalars: tuple) -> tuple | None:
+    def key(per_call: tuple, caches: tuple, scalars: tuple) -> CallKey | None:
         """The call's key, or ``None`` where the memo does not apply (a non-tensor where a tensor
-        goes, which the checks reject; CPU tensors; not on a recordable platform; while a CUDA
-        graph is captured)."""
+        goes, which the checks reject; CPU tensors; a scalar of a type outside :data:`_PLAIN`;
+        not on a recordable platform; while a CUDA graph is captured)."""
         if not supported() or backend.get_backend() != "triton":
             return None
         first = per_call[0]
@@ -342,44 +409,53 @@ class Memo:
             # only an eager stream may run, such as the attention's own merge on per-stream counters)
             return None
         stream = _raw_stream(first.get_device()) if _raw_stream is not None else current_stream(first.device)
-        key = [stream, _pdl.ENABLED]
+        cheap = [stream, _pdl.ENABLED]
+        for x in scalars:  # (by type too: True, 1 and 1.0 are equal, and not equally valid)
+            if type(x) not in _PLAIN:
+                return None
+            cheap.append((type(x), x))
+        tensors = []
         try:
-            for x in scalars:  # (by type too: True, 1 and 1.0 are equal keys, and not equally valid)
-                key.append((type(x), x))
-            # (the device as its index, -1 off the GPU: cheaper to make and to hash than a torch.device)
             for t in per_call:
-                key.append(None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16))
+                if t is None:
+                    cheap.append(None)
+                else:
+                    cheap.append(t.data_ptr() % 16)
+                    tensors.append(t)
             for t in caches:
-                key.append(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()))
+                if t is None:
+                    cheap.append(None)
+                else:
+                    cheap.append(t.data_ptr())
+                    tensors.append(t)
         except (AttributeError, TypeError):  # not a tensor: the normal path
             return None
-        return tuple(key)  # (an unhashable scalar: get and put find nothing and keep nothing)
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            return None
+        return CallKey(tuple(cheap), tuple(tensors))
 
-    def get(self, key) -> MemoEntry | None:
-        """What :meth:`put` kept under ``key`` (most recently used first), else ``None``."""
+    def get(self, key: CallKey | None) -> MemoEntry | None:
+        """What :meth:`put` kept for ``key``'s call shape (most recently used first), else ``None``;
+        sets ``key.token`` where found."""
         if key is None:
             return None
         entries = self._entries()
-        try:
-            entry = entries.get(key)
-        except TypeError:  # (an unhashable scalar in the key)
-            return None
-        if entry is not None:
-            entries.move_to_end(key)
-        return entry
+        cheap, tensors = key.cheap, key.tensors
+        for token, entry in reversed(entries.items()):
+            if entry.cheap == cheap and entry.guard.check(*tensors):
+                entries.move_to_end(token)
+                key.token = token
+                return entry
+        return None
 
-    def put(self, key, recording: Recording | None, info=None) -> None:
+    def put(self, key: CallKey | None, recording: Recording | None, info=None) -> None:
         """Keep a checked call shape: its recording (``None``: not replayable, later calls take the
-        normal path) and what its later calls need of its checks (``info``)."""
+        normal path) and what its later calls need of its checks (``info``); sets ``key.token``."""
         if key is None or self.size <= 0:
             return
-        try:
-            hash(key)
-        except TypeError:  # (an unhashable scalar in the key: nothing kept)
-            return
         entries = self._entries()
-        entries[key] = MemoEntry(recording, info)
-        entries.move_to_end(key)
+        key.token = next(_tokens)
+        entries[key.token] = MemoEntry(recording, info, key.cheap, tensor_guard(key.tensors))
         while len(entries) > self.size:
             entries.popitem(last=False)
 
@@ -443,7 +519,7 @@ def memo_call(memo: Memo, key, *, check, check_values, tensors, launch, result):
         def replay() -> None:
             if not replayed:
                 replayed.append(True)
-                entry.recording.replay(named, named[next(iter(named))].device, key[0])
+                entry.recording.replay(named, named[next(iter(named))].device, key.stream)
 
         check_values(replay if QUEUE_DURING_CHECKS else _nothing)
         replay()  # (where the checks did not)
@@ -535,7 +611,9 @@ __all__ = [
     "ENABLED",
     "QUEUE_DURING_CHECKS",
     "VERIFIED_TRITON",
+    "CallKey",
     "Memo",
+    "MemoEntry",
     "clear_memos",
     "Recording",
     "call_direct",

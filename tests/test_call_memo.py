@@ -79,7 +79,8 @@ def memo_on_cpu(monkeypatch):
         got = real(per_call, caches, scalars)
         if got is not None or not all(isinstance(t, torch.Tensor) for t in per_call[:1]):
             return got
-        return ("cpu", tuple(scalars), tuple(None if t is None else (t.shape, t.stride(), t.dtype) for t in per_call))
+        cheap = ("cpu", tuple(scalars), tuple(t is None for t in per_call))
+        return _replay.CallKey(cheap, tuple(t for t in per_call if t is not None))
 
     monkeypatch.setattr(_replay.Memo, "key", staticmethod(key))
     monkeypatch.setattr(_replay, "supported", lambda: True)
@@ -119,15 +120,69 @@ def test_a_recorded_first_call_returns_what_the_call_computed(memo_on_cpu, backe
 def test_the_memo_keeps_its_newest_call_shapes(monkeypatch):
     memo = _replay.Memo("test")
     monkeypatch.setattr(memo, "size", 2)
-    for key in ("a", "b", "c"):
-        memo.put(key, None, key.upper())
-    assert memo.get("a") is None and memo.get("b").info == "B" and memo.get("c").info == "C"
-    memo.get("b")  # now the newest
-    memo.put("d", "D")
-    assert memo.get("c") is None and memo.get("b").info == "B"
+
+    def key(name: str, rows: int = 3) -> _replay.CallKey:  # (a new tensor each time: its metadata is the key)
+        return _replay.CallKey(("stream", name), (torch.zeros(rows, 4),))
+
+    for name in ("a", "b", "c"):
+        memo.put(key(name), None, name.upper())
+    assert memo.get(key("a")) is None and memo.get(key("b")).info == "B" and memo.get(key("c")).info == "C"
+    memo.get(key("b"))  # now the newest
+    memo.put(key("d"), "D")
+    assert memo.get(key("c")) is None and memo.get(key("b")).info == "B"
     assert memo.get(None) is None
     memo.clear()
-    assert memo.get("b") is None
+    assert memo.get(key("b")) is None
+
+
+def test_a_memo_key_compares_tensor_metadata_and_scalars():
+    """A kept shape is found again by a call whose tensors are new but have its metadata and whose
+    other parts are equal, and by no other; each kept shape gets its own token."""
+    memo = _replay.Memo("test")
+    kept = _replay.CallKey(("stream", 1), (torch.zeros(3, 4), torch.zeros(2, dtype=torch.int32)))
+    memo.put(kept, None, "kept")
+    assert kept.token is not None and kept.stream == "stream"
+    same = _replay.CallKey(("stream", 1), (torch.ones(3, 4), torch.ones(2, dtype=torch.int32)))
+    assert memo.get(same).info == "kept" and same.token == kept.token
+    others = [
+        (("stream", 2), (torch.zeros(3, 4), torch.zeros(2, dtype=torch.int32))),  # a scalar
+        (("other", 1), (torch.zeros(3, 4), torch.zeros(2, dtype=torch.int32))),  # the stream
+        (("stream", 1), (torch.zeros(4, 3), torch.zeros(2, dtype=torch.int32))),  # a shape
+        (("stream", 1), (torch.zeros(4, 3).t(), torch.zeros(2, dtype=torch.int32))),  # strides
+        (("stream", 1), (torch.zeros(3, 4), torch.zeros(2, dtype=torch.int64))),  # a dtype
+        (("stream", 1), (torch.zeros(3, 4, requires_grad=True), torch.zeros(2, dtype=torch.int32))),
+    ]
+    for cheap, tensors in others:
+        assert memo.get(_replay.CallKey(cheap, tensors)) is None, cheap
+    other = _replay.CallKey(("stream", 2), (torch.zeros(3, 4), torch.zeros(2, dtype=torch.int32)))
+    memo.put(other, None, "other")
+    assert other.token != kept.token
+
+
+def test_the_python_tensor_guard_matches_pytorchs(monkeypatch):
+    """Where PyTorch has no compiled tensor guard, the memo reads the same metadata in Python."""
+    a, b = torch.zeros(3, 4), torch.zeros(2, dtype=torch.int32)
+    variants = [(torch.ones(3, 4), b), (torch.zeros(4, 3), b), (torch.zeros(4, 3).t(), b), (a, b.long()), (a[:, :2], b)]
+    compiled = _replay.tensor_guard((a, b))
+    monkeypatch.setattr(_replay, "_TensorGuards", None)
+    python = _replay.tensor_guard((a, b))
+    assert isinstance(python, _replay._MetaGuard)
+    for tensors in variants:
+        assert compiled.check(*tensors) == python.check(*tensors)
+    assert [python.check(*t) for t in variants] == [True, False, False, False, False]
+
+
+def test_a_scalar_of_another_type_keeps_the_memo_out(monkeypatch):
+    monkeypatch.setattr(_replay, "supported", lambda: True)
+    monkeypatch.setattr(mm3lab.backend, "get_backend", lambda: "triton")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(_replay, "current_stream", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    q = torch.zeros(2, 4)
+    assert _replay.Memo.key((q,), (), (1.0, "rows", None, True)) is not None
+    assert _replay.Memo.key((q,), (), (torch.tensor(1.0),)) is None
+    assert _replay.Memo.key((q,), (), ((1, 2),)) is None
+    assert _replay.Memo.key((q, "not a tensor"), (), ()) is None
 
 
 @needs_gpu

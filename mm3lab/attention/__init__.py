@@ -132,7 +132,7 @@ def sparse_attention(
             if check_values:  # (validation on, the checks not in the launch)
                 check_sparse_attention_values(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride)
             out, lse, inputs = _outputs(q, k_cache, v_cache, sparse_bt, sparse_ctx, k_scale, v_scale, return_lse, out)
-            if _valcheck.replay_checked(entry.recording, inputs, q.device, key[0], fused, bufs):
+            if _valcheck.replay_checked(entry.recording, inputs, q.device, key.stream, fused, bufs):
                 # the checks' own message (they find what the launch flagged)
                 _detail(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride)
                 raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")

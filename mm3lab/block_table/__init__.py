@@ -133,7 +133,7 @@ def build_sparse_block_table_decode(
             out = _outputs(topk_idx, out)
             inputs = {"topk_idx": topk_idx, "block_table": block_table, "seq_lens": seq_lens}
             inputs.update(sparse_bt=out[0], sparse_ctx=out[1])
-            if _valcheck.replay_checked(entry.recording, inputs, topk_idx.device, key[0], fused, bufs):
+            if _valcheck.replay_checked(entry.recording, inputs, topk_idx.device, key.stream, fused, bufs):
                 if backup is not None:  # the caller's buffers as they were (SPEC 7), in stream order
                     out[0].copy_(backup[0])
                     out[1].copy_(backup[1])

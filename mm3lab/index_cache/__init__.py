@@ -115,7 +115,7 @@ def insert_index_cache(
             slot_mapping,
             index_cache_slots(index_cache),
             "the index cache",
-            key=(key, slot_mapping.data_ptr()),
+            key=(key.token, slot_mapping.data_ptr()),
             then=replay if gated() else None,
         ),
         tensors=lambda: dict(

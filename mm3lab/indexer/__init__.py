@@ -161,7 +161,7 @@ class _Call(NamedTuple):
         ``then``: the call's launches, queued while a kept check runs (they write only the call's new
         outputs and the memo's scratch, and never read outside the cache and tables, whatever the values)."""
         _, index_cache, block_table, rows, *_ = self
-        known = (key, block_table.data_ptr(), rows.req.data_ptr(), rows.pos.data_ptr())
+        known = (key.token, block_table.data_ptr(), rows.req.data_ptr(), rows.pos.data_ptr())
         if rows.prefill:
             cache = "the index cache"
             check_table_entries(block_table, rows.req, rows.pos, index_cache.shape[0], cache, key=known, then=then)
