@@ -7,6 +7,9 @@ cache takes the normal path (and is kept in turn). On the CPU the memo never app
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -157,6 +160,16 @@ def test_a_memo_key_compares_tensor_metadata_and_scalars():
     other = _replay.CallKey(("stream", 2), (torch.zeros(3, 4), torch.zeros(2, dtype=torch.int32)))
     memo.put(other, None, "other")
     assert other.token != kept.token
+
+
+def test_a_kept_call_shape_keeps_no_tensor_alive():
+    memo = _replay.Memo("test")
+    t = torch.zeros(3, 4)
+    alive = weakref.ref(t)
+    memo.put(_replay.CallKey(("stream",), (t,)), None)
+    del t
+    gc.collect()
+    assert alive() is None and len(memo._entries()) == 1
 
 
 def test_the_python_tensor_guard_matches_pytorchs(monkeypatch):
