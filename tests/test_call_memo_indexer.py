@@ -191,11 +191,19 @@ def test_repeated_topk_blocks_calls_replay_bit_identical(how):
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("queue", [True, False])
 @pytest.mark.parametrize("n", [9, 100])
-def test_repeated_inserts_replay_and_check_their_slots(fp8, queue, n, monkeypatch):
-    """A small replayed insert is gated on its check's flags: queued while the check runs (the default) or
-    after the flags are read; a large one (more than ``GATED_TOKENS`` keys) waits for the flags. Either
-    way a rejected call writes nothing; the next good call is exact."""
-    assert (n <= mm3lab.index_cache.GATED_TOKENS) == (n == 9)
+@pytest.mark.parametrize("checking", [True, False])
+def test_repeated_inserts_replay_and_check_their_slots(fp8, queue, n, checking, monkeypatch):
+    """A small insert (one program along the tokens) checks its own slots in its one launch (``checking``);
+    without that launch, a small replayed insert is gated on its check's flags: queued while the check
+    runs (the default) or after the flags are read; a large one (more than ``GATED_TOKENS`` keys) waits
+    for the flags. Every way, a rejected call writes nothing; the next good call is exact."""
+    from mm3lab.index_cache import kernel
+
+    assert (n <= mm3lab.index_cache.GATED_TOKENS) == (n == 9) == kernel.checks_in_one_program(n, DI, fp8)
+    if not checking:
+        if n > 9:
+            pytest.skip("the same as checking=True")
+        monkeypatch.setattr(kernel, "checks_in_one_program", lambda *shape: False)
     monkeypatch.setattr(_replay, "QUEUE_DURING_CHECKS", queue)
     INSERT_MEMO.clear()
     blocks = 4
@@ -215,6 +223,7 @@ def test_repeated_inserts_replay_and_check_their_slots(fp8, queue, n, monkeypatc
             assert torch.equal(scales[0], scales[1]), step
     (entry,) = INSERT_MEMO._entries().values()
     assert entry.recording is not None and entry.recording.replays == 3
+    assert (entry.info is not None) == (n == 9 and checking)  # (a kept checking launch: its flags' buffers)
     before = caches[0].clone()
     slots[5] = blocks * 128  # past the cache, in place
     keys = keys + 1.0  # (new keys: a write would show)

@@ -199,6 +199,76 @@ def test_a_gated_insert_writes_only_where_every_flag_is_clear(device, fp8, flag)
         assert int(torch.count_nonzero(cache.float().abs().sum(-1))) == 5  # (the five live slots)
 
 
+def _checking_insert(device, n, di, fp8, bad_rows, pad_rows, seed):
+    """A checking launch (it checks its own slots) against the reference: ``(flag, done, counter)`` and
+    whether the cache (and FP8 scales) hold what the reference wrote, or nothing where a slot is bad."""
+    from mm3lab.index_cache.kernel import insert_index_cache_kernel
+
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    num_blocks = 2
+    capacity = num_blocks * BLOCK
+    cache = allocate_index_cache(num_blocks, di, dtype=dtype, device=device, fill=0.0)
+    scale = mm3lab.allocate_index_scale(num_blocks, device=device) if fp8 else None
+    index_k = torch.randn(n, di, generator=g).to(device)
+    slots = torch.randperm(capacity, generator=g)[:n]
+    for r in pad_rows:
+        slots[r] = -1
+    for i, r in enumerate(bad_rows):
+        slots[r] = capacity + i * 37  # (the first one exactly at the end)
+    slots = slots.to(device)
+    want_cache, want_scale = cache.clone(), None if scale is None else scale.clone()
+    if not bad_rows:
+        reference.insert_index_cache(index_k, want_cache, slots, index_scale=want_scale)
+    flags, count, done = (torch.zeros(1, dtype=torch.int32, device=device) for _ in range(3))
+    insert_index_cache_kernel(index_k, cache, slots, scale, check=(flags, count, done))
+    same = torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+    if fp8:
+        same = same and torch.equal(scale, want_scale)
+    return int(flags[0]), int(done[0]), int(count[0]), same
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("bad_rows", [(), (0,), (5,), (2, 5)])
+def test_a_checking_insert_writes_only_when_every_slot_is_inside(device, fp8, bad_rows):
+    """A small insert's launch that checks its own slots (one program along the tokens): all inside,
+    the insert as usual and its flag clear; any one past the cache, its flag set and nothing written,
+    the FP8 scales included. Either way its ``done`` word is set and its counter back at zero."""
+    if fp8 and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9")
+    flag, done, count, same = _checking_insert(device, 6, 32, fp8, bad_rows, pad_rows=(1,), seed=3)
+    assert (flag, done, count, same) == (int(bool(bad_rows)), 1, 0, True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 32),
+    di=st.sampled_from([8, 24, 128]),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_checking_insert_sweep(n, di, data, seed):
+    """Token counts up to one program's, head dims, bad and padded rows anywhere (CPU: the interpreter)."""
+    rows = st.lists(st.integers(0, n - 1), max_size=3, unique=True)
+    bad_rows, pad_rows = data.draw(rows), data.draw(rows)
+    pad_rows = [r for r in pad_rows if r not in bad_rows]
+    flag, done, count, same = _checking_insert("cpu", n, di, False, tuple(bad_rows), pad_rows, seed)
+    assert (flag, done, count, same) == (int(bool(bad_rows)), 1, 0, True)
+
+
+def test_a_checking_insert_takes_one_program_along_the_tokens():
+    from mm3lab.index_cache.kernel import checks_in_one_program, insert_index_cache_kernel
+
+    assert checks_in_one_program(32, 128, False) and checks_in_one_program(32, 128, True)
+    assert not checks_in_one_program(33, 128, False) and not checks_in_one_program(0, 128, False)
+    cache = allocate_index_cache(2, 128, fill=0.0)
+    check = tuple(torch.zeros(1, dtype=torch.int32) for _ in range(3))
+    with pytest.raises(ValueError, match="one program along the tokens"):
+        insert_index_cache_kernel(torch.zeros(33, 128), cache, torch.arange(33), check=check)
+    with pytest.raises(ValueError, match="not both"):
+        insert_index_cache_kernel(torch.zeros(3, 128), cache, torch.arange(3), gate=check[0], check=check)
+
+
 def test_empty_insert_is_a_no_op(device):
     cache = poison(allocate_index_cache(1, 8, device=device))
     before = cache.clone()

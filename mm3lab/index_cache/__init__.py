@@ -99,14 +99,38 @@ def insert_index_cache(
             different devices; with validation on, a slot ``>= num_blocks * 128``.
     """
     # A repeated call shape on a GPU: checked once, its launch replayed; the slots checked every call.
-    # A small replayed insert is gated (the recording's launch reads the check's flags and writes nothing
-    # when one is set), so it is queued while the check runs, and a rejected call still writes nothing.
+    # A small insert (one program along the tokens) checks its slots itself: one launch, which writes
+    # nothing when a slot is past the cache, and one wait for its flag. Without that launch (zero-copy
+    # off, or a larger head dim) a small replayed insert is gated (it reads the check launch's flags
+    # and writes nothing when one is set), so it is queued while the check runs; a rejected call
+    # writes nothing either way.
     validate = validation_enabled()
 
     def gated() -> bool:  # (asked after the checks: index_k is a tensor)
         return validate and index_k.shape[0] <= GATED_TOKENS
 
     key = _MEMO.key((index_k, slot_mapping), (index_cache, index_scale), (validate,))
+    entry = _MEMO.get(key)
+    if entry is not None and entry.recording is not None and entry.info is not None:
+        # a kept checking launch: it checks the slots itself, and writes nothing where one is past the cache
+        fused, bufs = entry.info
+        named = dict(index_k=index_k, index_cache=index_cache, slot_mapping=slot_mapping, index_scale=index_scale)
+        if _valcheck.replay_checked(entry.recording, named, index_k.device, key.stream, fused, bufs):
+            check_slots_inside(slot_mapping, index_cache_slots(index_cache), "the index cache")  # its message
+            raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
+        return
+    if entry is None and key is not None and validate and index_k.dim() == 2:
+        from .kernel import checks_in_one_program
+
+        fused = _valcheck.fused_flags(index_k.device)
+        if fused is not None and checks_in_one_program(*index_k.shape, index_scale is not None):
+            # one launch that checks its slots before it writes: the replays' value checks run inside it
+            check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale)
+            named = dict(index_k=index_k, index_cache=index_cache, slot_mapping=slot_mapping, index_scale=index_scale)
+            launch = lambda: _insert_checked(index_k, index_cache, slot_mapping, index_scale, check=fused)  # noqa: E731
+            _, recording = _valcheck.record_checked(launch, named, index_k.device, fused)
+            _MEMO.put(key, recording, None if recording is None else (fused, _valcheck.fused_buffers(index_k.device)))
+            return
     _replay.memo_call(
         _MEMO,
         key,
@@ -143,9 +167,10 @@ _MEMO = _replay.Memo("insert_index_cache")
 """Repeated call shapes of :func:`insert_index_cache` (:class:`mm3lab._replay.Memo`)."""
 
 
-def _insert_checked(index_k, index_cache, slot_mapping, index_scale=None, gate=None) -> None:
+def _insert_checked(index_k, index_cache, slot_mapping, index_scale=None, gate=None, check=None) -> None:
     """:func:`insert_index_cache` after its checks, for a caller that made them (the MSA layer);
-    ``gate``: the value-check flags the kernel's launch reads first (:func:`mm3lab._valcheck.gate`)."""
+    ``gate``: the value-check flags the kernel's launch reads first (:func:`mm3lab._valcheck.gate`);
+    ``check``: the launch checks the slots itself (see :func:`.kernel.insert_index_cache_kernel`)."""
     if index_k.shape[0] == 0:
         return
     if not backend.use_kernel(index_k, index_cache, slot_mapping, entry_point="insert_index_cache"):
@@ -155,7 +180,7 @@ def _insert_checked(index_k, index_cache, slot_mapping, index_scale=None, gate=N
 
     if index_scale is not None and backend.INTERPRETER and index_k.dtype == torch.bfloat16:
         index_k = index_k.float()  # (the interpreter's bfloat16 arithmetic is inexact; the value is the same)
-    insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale, gate)
+    insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale, gate, check)
 
 
 def token_slots(block_table: torch.Tensor, query_req_id: torch.Tensor, query_abs_pos: torch.Tensor) -> torch.Tensor:
