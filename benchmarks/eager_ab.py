@@ -9,7 +9,9 @@ sets, as in the ``attention_decode`` and ``msa_decode`` suites):
 
 ``sparse_attention``
     ``own``: split attention merged by its last split (the default eager path); ``launch``: merged
-    by a launch of its own (``mm3lab.attention.kernel.OWN_MERGE = False``, what a CUDA graph runs).
+    by a launch of its own (``mm3lab.attention.kernel.OWN_MERGE = False``, what a CUDA graph runs);
+    ``python guard``: the call memo's kept shapes compared by a Python read of the tensors' metadata
+    (``mm3lab._replay.COMPILED_GUARDS = False``).
 ``msa_decode``
     ``own+kept``: the default; ``own``: the value check's launch built anew every call
     (``mm3lab._valcheck.KNOWN_CHECKS = 0``); ``launch``: that and the merge launch.
@@ -19,8 +21,11 @@ sets, as in the ``attention_decode`` and ``msa_decode`` suites):
     (``mm3lab._replay.QUEUE_DURING_CHECKS = False``); ``normal``: every call checked and launched
     through Triton (``mm3lab._replay.ENABLED = False``).
 ``insert_index_cache``
-    each request's decode token's index key inserted at its slot; the same three arms (``memo``: the
-    replayed insert is gated on the check's flags and queued while the check runs).
+    each request's decode token's index key inserted at its slot; ``memo``: the default (a replayed
+    insert of keys that fit one program checks its own slots in its one launch); ``gated``: a check
+    launch and the insert gated on its flags, queued while the check runs
+    (``mm3lab.index_cache.SELF_CHECK = False``); ``after``: that, queued after the flags are read;
+    ``normal``: every call checked and launched through Triton; ``python guard`` as above.
 
 Validation on and off (``msa_decode``'s ``own`` only on: the kept check launches are a validation
 path), ``mode: "eager"``, and each entry point's CUDA-graph replay once (``mode: "graph"``). The
@@ -38,7 +43,7 @@ import time
 import torch
 
 import mm3lab
-from mm3lab import _replay, _valcheck
+from mm3lab import _replay, _valcheck, index_cache
 from mm3lab.attention import kernel as attn_kernel
 from mm3lab.msa import recorded
 
@@ -46,20 +51,35 @@ from . import suites
 from .common import Context, _triton_version, write_side_results
 
 ARMS = {
-    "sparse_attention": {"own": (True, True), "launch": (False, True)},
+    "sparse_attention": {"own": (True, True), "launch": (False, True), "python guard": (True, True, True, True, False)},
     "msa_decode": {"own+kept": (True, True), "own": (True, False), "launch": (False, False)},
     "index_topk_decode": {"memo": (True, True), "after": (True, True, True, False), "normal": (True, True, False)},
-    "insert_index_cache": {"memo": (True, True), "after": (True, True, True, False), "normal": (True, True, False)},
+    "insert_index_cache": {
+        "memo": (True, True),
+        "gated": (True, True, True, True, True, False),
+        "after": (True, True, True, False, True, False),
+        "normal": (True, True, False),
+        "python guard": (True, True, True, True, False),
+    },
 }
 """Entry point -> arm -> (own merge, kept check launches[, call memos and recorded launches on[, replays
-queued during their checks]])."""
+queued during their checks[, compiled tensor guards[, a small insert checking its own slots]]]])."""
 
 
-def _arm(own_merge: bool, kept_checks: bool, replay: bool = True, queue: bool = True) -> None:
+def _arm(
+    own_merge: bool,
+    kept_checks: bool,
+    replay: bool = True,
+    queue: bool = True,
+    compiled_guards: bool = True,
+    self_check: bool = True,
+) -> None:
     attn_kernel.OWN_MERGE = own_merge
     _valcheck.KNOWN_CHECKS = 16 if kept_checks else 0
     _replay.ENABLED = replay
     _replay.QUEUE_DURING_CHECKS = queue
+    _replay.COMPILED_GUARDS = compiled_guards
+    index_cache.SELF_CHECK = self_check
     _replay.clear_memos()
     recorded.clear()
 

@@ -51,6 +51,10 @@ DIRECT = True
 """Replayed launches call the compiled launcher's C entry with addresses (:func:`direct_launcher`);
 ``False``: through :func:`launch_compiled` with the tensors (benchmarks compare both)."""
 
+COMPILED_GUARDS = True
+"""A memo compares its kept shapes' tensor metadata with PyTorch's compiled tensor guard where there is
+one (:func:`tensor_guard`); ``False``: with the same read in Python (benchmarks compare both)."""
+
 QUEUE_DURING_CHECKS = True
 """A replayed :func:`memo_call` queues its launches while its kept check launch runs, before the host
 reads the check's flags, where its value checks allow it (the indexer's, whose launches write only new
@@ -344,7 +348,7 @@ def tensor_guard(tensors: tuple):
     same shapes, strides, dtypes, devices, ``requires_grad`` and dispatch keys. PyTorch's compiled
     tensor guard (the C++ check behind ``torch.compile``'s guards) where it is there: about 0.1 us per
     tensor, where reading the same in Python costs about 0.5 us; else the same read in Python."""
-    if _TensorGuards is not None:
+    if _TensorGuards is not None and COMPILED_GUARDS:
         try:
             sizes = [list(t.shape) for t in tensors]
             return _TensorGuards(
@@ -607,6 +611,7 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 
 __all__ = [
+    "COMPILED_GUARDS",
     "DIRECT",
     "ENABLED",
     "QUEUE_DURING_CHECKS",

@@ -177,6 +177,9 @@ def test_the_python_tensor_guard_matches_pytorchs(monkeypatch):
     a, b = torch.zeros(3, 4), torch.zeros(2, dtype=torch.int32)
     variants = [(torch.ones(3, 4), b), (torch.zeros(4, 3), b), (torch.zeros(4, 3).t(), b), (a, b.long()), (a[:, :2], b)]
     compiled = _replay.tensor_guard((a, b))
+    monkeypatch.setattr(_replay, "COMPILED_GUARDS", False)  # (the benchmarks' switch)
+    assert isinstance(_replay.tensor_guard((a, b)), _replay._MetaGuard)
+    monkeypatch.setattr(_replay, "COMPILED_GUARDS", True)
     monkeypatch.setattr(_replay, "_TensorGuards", None)
     python = _replay.tensor_guard((a, b))
     assert isinstance(python, _replay._MetaGuard)

@@ -203,7 +203,7 @@ def test_repeated_inserts_replay_and_check_their_slots(fp8, queue, n, checking, 
     if not checking:
         if n > 9:
             pytest.skip("the same as checking=True")
-        monkeypatch.setattr(kernel, "checks_in_one_program", lambda *shape: False)
+        monkeypatch.setattr(mm3lab.index_cache, "SELF_CHECK", False)
     monkeypatch.setattr(_replay, "QUEUE_DURING_CHECKS", queue)
     INSERT_MEMO.clear()
     blocks = 4

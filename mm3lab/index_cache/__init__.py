@@ -123,7 +123,7 @@ def insert_index_cache(
         from .kernel import checks_in_one_program
 
         fused = _valcheck.fused_flags(index_k.device)
-        if fused is not None and checks_in_one_program(*index_k.shape, index_scale is not None):
+        if SELF_CHECK and fused is not None and checks_in_one_program(*index_k.shape, index_scale is not None):
             # one launch that checks its slots before it writes: the replays' value checks run inside it
             check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale)
             named = dict(index_k=index_k, index_cache=index_cache, slot_mapping=slot_mapping, index_scale=index_scale)
@@ -155,6 +155,11 @@ def insert_index_cache(
         result=lambda named: None,
     )
 
+
+SELF_CHECK = True
+"""An insert whose keys fit one program along the tokens, with validation on and zero-copy flags, checks
+its own slots in its one launch (:func:`.kernel.checks_in_one_program`); ``False``: a check launch and
+the insert gated on it (benchmarks compare both)."""
 
 GATED_TOKENS = 32
 """The most keys a replayed, checked insert gates on its check's flags (one program of the kernel).
