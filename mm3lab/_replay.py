@@ -492,7 +492,10 @@ def record_call(launch, inputs: dict) -> tuple[object, Recording | None]:
     return returned[0], rec
 
 
-def memo_call(memo: Memo, key, *, check, check_values, tensors, launch, result):
+_LOOK_UP = object()
+
+
+def memo_call(memo: Memo, key, *, check, check_values, tensors, launch, result, entry=_LOOK_UP):
     """One call of an entry point through ``memo``, for an entry point whose value checks run apart from
     its launches (a check launch and one host read, :func:`mm3lab._valcheck.flags`).
 
@@ -514,8 +517,10 @@ def memo_call(memo: Memo, key, *, check, check_values, tensors, launch, result):
         launch: the call after its checks; given the tensors, it writes its kernels' outputs into
             them (given ``None``, it allocates its own) and returns the entry point's result.
         result: the entry point's result from the tensors of a replayed call.
+        entry: what ``memo.get(key)`` gave, where the caller has looked it up already.
     """
-    entry = memo.get(key)
+    if entry is _LOOK_UP:
+        entry = memo.get(key)
     if entry is not None and entry.recording is not None:
         named = tensors()
         replayed = []

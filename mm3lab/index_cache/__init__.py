@@ -153,6 +153,7 @@ def insert_index_cache(
             _valcheck.gate(index_k.device) if named and gated() else None,
         ),
         result=lambda named: None,
+        entry=entry,  # (looked up above)
     )
 
 
