@@ -328,7 +328,8 @@ _tokens = itertools.count()
 
 
 class _MetaGuard:
-    """:func:`tensor_guard` where PyTorch's own is missing: the tensors' shapes, strides, dtypes and devices."""
+    """:func:`tensor_guard` where PyTorch's own is missing: the tensors' shapes, strides, dtypes, devices and
+    ``requires_grad``."""
 
     __slots__ = ("meta",)
 

@@ -109,13 +109,15 @@ def insert_index_cache(
     def gated() -> bool:  # (asked after the checks: index_k is a tensor)
         return validate and index_k.shape[0] <= GATED_TOKENS
 
+    def tensors() -> dict:  # (the call's tensors by name, as its recordings take them)
+        return dict(index_k=index_k, index_cache=index_cache, slot_mapping=slot_mapping, index_scale=index_scale)
+
     key = _MEMO.key((index_k, slot_mapping), (index_cache, index_scale), (validate,))
     entry = _MEMO.get(key)
     if entry is not None and entry.recording is not None and entry.info is not None:
         # a kept checking launch: it checks the slots itself, and writes nothing where one is past the cache
         fused, bufs = entry.info
-        named = dict(index_k=index_k, index_cache=index_cache, slot_mapping=slot_mapping, index_scale=index_scale)
-        if _valcheck.replay_checked(entry.recording, named, index_k.device, key.stream, fused, bufs):
+        if _valcheck.replay_checked(entry.recording, tensors(), index_k.device, key.stream, fused, bufs):
             check_slots_inside(slot_mapping, index_cache_slots(index_cache), "the index cache")  # its message
             raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
         return
@@ -126,9 +128,8 @@ def insert_index_cache(
         if SELF_CHECK and fused is not None and checks_in_one_program(*index_k.shape, index_scale is not None):
             # one launch that checks its slots before it writes: the replays' value checks run inside it
             check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale)
-            named = dict(index_k=index_k, index_cache=index_cache, slot_mapping=slot_mapping, index_scale=index_scale)
             launch = lambda: _insert_checked(index_k, index_cache, slot_mapping, index_scale, check=fused)  # noqa: E731
-            _, recording = _valcheck.record_checked(launch, named, index_k.device, fused)
+            _, recording = _valcheck.record_checked(launch, tensors(), index_k.device, fused)
             _MEMO.put(key, recording, None if recording is None else (fused, _valcheck.fused_buffers(index_k.device)))
             return
     _replay.memo_call(
@@ -142,9 +143,7 @@ def insert_index_cache(
             key=(key.token, slot_mapping.data_ptr()),
             then=replay if gated() else None,
         ),
-        tensors=lambda: dict(
-            index_k=index_k, index_cache=index_cache, slot_mapping=slot_mapping, index_scale=index_scale
-        ),
+        tensors=tensors,
         launch=lambda named: _insert_checked(
             index_k,
             index_cache,
