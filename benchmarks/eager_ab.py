@@ -16,16 +16,18 @@ sets, as in the ``attention_decode`` and ``msa_decode`` suites):
     ``own+kept``: the default; ``own``: the value check's launch built anew every call
     (``mm3lab._valcheck.KNOWN_CHECKS = 0``); ``launch``: that and the merge launch.
 ``index_topk_decode``
-    ``memo``: the default (a repeated call shape replays its launches, :func:`mm3lab._replay.memo_call`,
-    queued while its value check runs); ``after``: queued after the check's flags are read
-    (``mm3lab._replay.QUEUE_DURING_CHECKS = False``); ``normal``: every call checked and launched
-    through Triton (``mm3lab._replay.ENABLED = False``).
+    ``memo``: the default (a repeated call shape replays its launches, the scores launch checking the
+    call's values itself); ``check launch``: the value checks in a launch of their own, the replayed
+    launches queued while it runs (``mm3lab.indexer.FUSED_CHECKS = False``); ``after``: that, queued
+    after the check's flags are read (``mm3lab._replay.QUEUE_DURING_CHECKS = False``); ``normal``:
+    every call checked and launched through Triton (``mm3lab._replay.ENABLED = False``).
 ``insert_index_cache``
     each request's decode token's index key inserted at its slot; ``memo``: the default (a replayed
-    insert of keys that fit one program checks its own slots in its one launch); ``gated``: a check
+    insert checks its own slots in its one launch); ``gated``: a check
     launch and the insert gated on its flags, queued while the check runs
     (``mm3lab.index_cache.SELF_CHECK = False``); ``after``: that, queued after the flags are read;
-    ``normal``: every call checked and launched through Triton; ``python guard`` as above.
+    ``normal``: every call checked and launched through Triton; ``python guard`` as above. (An insert of up to
+    8192 keys of 128 dims checks its own slots: :data:`mm3lab.index_cache.kernel.CHECK_READS`.)
 
 Validation on and off (``msa_decode``'s ``own`` only on: the kept check launches are a validation
 path), ``mode: "eager"``, and each entry point's CUDA-graph replay once (``mode: "graph"``). The
@@ -43,7 +45,7 @@ import time
 import torch
 
 import mm3lab
-from mm3lab import _replay, _valcheck, index_cache
+from mm3lab import _replay, _valcheck, index_cache, indexer
 from mm3lab.attention import kernel as attn_kernel
 from mm3lab.msa import recorded
 
@@ -53,7 +55,12 @@ from .common import Context, _triton_version, write_side_results
 ARMS = {
     "sparse_attention": {"own": (True, True), "launch": (False, True), "python guard": (True, True, True, True, False)},
     "msa_decode": {"own+kept": (True, True), "own": (True, False), "launch": (False, False)},
-    "index_topk_decode": {"memo": (True, True), "after": (True, True, True, False), "normal": (True, True, False)},
+    "index_topk_decode": {
+        "memo": (True, True),
+        "check launch": (True, True, True, True, True, True, False),
+        "after": (True, True, True, False, True, True, False),
+        "normal": (True, True, False),
+    },
     "insert_index_cache": {
         "memo": (True, True),
         "gated": (True, True, True, True, True, False),
@@ -63,7 +70,8 @@ ARMS = {
     },
 }
 """Entry point -> arm -> (own merge, kept check launches[, call memos and recorded launches on[, replays
-queued during their checks[, compiled tensor guards[, a small insert checking its own slots]]]])."""
+queued during their checks[, compiled tensor guards[, an insert checking its own slots[, decode scores
+checking the indexer's values]]]]]])."""
 
 
 def _arm(
@@ -73,6 +81,7 @@ def _arm(
     queue: bool = True,
     compiled_guards: bool = True,
     self_check: bool = True,
+    fused_checks: bool = True,
 ) -> None:
     attn_kernel.OWN_MERGE = own_merge
     _valcheck.KNOWN_CHECKS = 16 if kept_checks else 0
@@ -80,6 +89,7 @@ def _arm(
     _replay.QUEUE_DURING_CHECKS = queue
     _replay.COMPILED_GUARDS = compiled_guards
     index_cache.SELF_CHECK = self_check
+    indexer.FUSED_CHECKS = fused_checks
     _replay.clear_memos()
     recorded.clear()
 

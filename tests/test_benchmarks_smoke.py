@@ -334,6 +334,7 @@ def test_the_eager_ab_runs_every_arm_and_keeps_nothing_changed(capsys):
     assert attn_kernel.OWN_MERGE is True and _valcheck.KNOWN_CHECKS == 16
     assert _replay.ENABLED is True and _replay.QUEUE_DURING_CHECKS is True
     assert _replay.COMPILED_GUARDS is True and mm3lab.index_cache.SELF_CHECK is True
+    assert mm3lab.indexer.FUSED_CHECKS is True
 
 
 def test_the_tiled_variants_run_and_agree(capsys):

@@ -123,11 +123,17 @@ def test_repeated_indexer_calls_replay_bit_identical(entry, fp8):
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("entry", ["index_topk_block_table_decode", "index_topk_prefill"])
+@pytest.mark.parametrize("entry", ["index_topk_block_table_decode", "index_topk_decode", "index_topk_prefill"])
 @pytest.mark.parametrize("queue", [True, False])
-def test_a_replayed_indexer_call_still_checks_values(entry, queue, monkeypatch):
-    """Its launches queued while its check runs (the default) or after the check's flags are read."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_replayed_indexer_call_still_checks_values(entry, queue, fused, monkeypatch):
+    """Decode rows: the checks inside the scores launch (``fused``, the default), or a check launch of
+    their own, as prefill rows always have, with the call's launches queued while it runs (the
+    default) or after its flags are read."""
+    if entry == "index_topk_decode" and not fused:
+        pytest.skip("index_topk_block_table_decode covers the check launch of decode rows")
     monkeypatch.setattr(_replay, "QUEUE_DURING_CHECKS", queue)
+    monkeypatch.setattr(mm3lab.indexer, "FUSED_CHECKS", fused)
     INDEXER_MEMO.clear()
     cache, scale, table = _cache("cuda", torch.bfloat16, False)
     rows_args, n = _rows(entry, 0, "cuda")
@@ -135,6 +141,7 @@ def test_a_replayed_indexer_call_still_checks_values(entry, queue, monkeypatch):
         _call(entry, step, cache, scale, table, "cuda", torch.bfloat16, rows=(rows_args, n))
     (kept,) = INDEXER_MEMO._entries().values()
     assert kept.recording is not None and kept.recording.replays == 2
+    assert (kept.info is not None) == (fused and entry.endswith("decode"))  # (a kept checking launch)
     bad_table = table.clone()
     if entry.endswith("decode"):
         rows_args["seq_lens"][1] = M * 128 + 1  # in place: the same addresses, a kept check launch
@@ -193,16 +200,15 @@ def test_repeated_topk_blocks_calls_replay_bit_identical(how):
 @pytest.mark.parametrize("n", [9, 100])
 @pytest.mark.parametrize("checking", [True, False])
 def test_repeated_inserts_replay_and_check_their_slots(fp8, queue, n, checking, monkeypatch):
-    """A small insert (one program along the tokens) checks its own slots in its one launch (``checking``);
-    without that launch, a small replayed insert is gated on its check's flags: queued while the check
-    runs (the default) or after the flags are read; a large one (more than ``GATED_TOKENS`` keys) waits
-    for the flags. Every way, a rejected call writes nothing; the next good call is exact."""
+    """An insert checks its own slots in its one launch (``checking``; one program along the tokens at
+    9 keys, four at 100); without that launch, a small replayed insert is gated on its check's flags:
+    queued while the check runs (the default) or after the flags are read; a larger one (more than
+    ``GATED_TOKENS`` keys) waits for the flags. Every way, a rejected call writes nothing; the next
+    good call is exact."""
     from mm3lab.index_cache import kernel
 
-    assert (n <= mm3lab.index_cache.GATED_TOKENS) == (n == 9) == kernel.checks_in_one_program(n, DI, fp8)
+    assert (n <= mm3lab.index_cache.GATED_TOKENS) == (n == 9) and kernel.checks_in_launch(n, DI, fp8)
     if not checking:
-        if n > 9:
-            pytest.skip("the same as checking=True")
         monkeypatch.setattr(mm3lab.index_cache, "SELF_CHECK", False)
     monkeypatch.setattr(_replay, "QUEUE_DURING_CHECKS", queue)
     INSERT_MEMO.clear()
@@ -223,7 +229,7 @@ def test_repeated_inserts_replay_and_check_their_slots(fp8, queue, n, checking, 
             assert torch.equal(scales[0], scales[1]), step
     (entry,) = INSERT_MEMO._entries().values()
     assert entry.recording is not None and entry.recording.replays == 3
-    assert (entry.info is not None) == (n == 9 and checking)  # (a kept checking launch: its flags' buffers)
+    assert (entry.info is not None) == checking  # (a kept checking launch: its flags' buffers)
     before = caches[0].clone()
     slots[5] = blocks * 128  # past the cache, in place
     keys = keys + 1.0  # (new keys: a write would show)

@@ -229,26 +229,31 @@ def _checking_insert(device, n, di, fp8, bad_rows, pad_rows, seed):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("bad_rows", [(), (0,), (5,), (2, 5)])
-def test_a_checking_insert_writes_only_when_every_slot_is_inside(device, fp8, bad_rows):
-    """A small insert's launch that checks its own slots (one program along the tokens): all inside,
-    the insert as usual and its flag clear; any one past the cache, its flag set and nothing written,
-    the FP8 scales included. Either way its ``done`` word is set and its counter back at zero."""
+@pytest.mark.parametrize("n", [6, 100])
+@pytest.mark.parametrize("bad_rows", [(), (0,), (5,), (2, 5), (99,), (40, 99)])
+def test_a_checking_insert_writes_only_when_every_slot_is_inside(device, fp8, n, bad_rows):
+    """An insert's launch that checks its own slots (one program, or four along the tokens: each reads
+    every slot): all inside, the insert as usual and its flag clear; any one past the cache, its flag
+    set and nothing written by any program, the FP8 scales included. Either way its ``done`` word is
+    set and its counter back at zero."""
     if fp8 and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9")
-    flag, done, count, same = _checking_insert(device, 6, 32, fp8, bad_rows, pad_rows=(1,), seed=3)
+    if any(r >= n for r in bad_rows):
+        pytest.skip("rows past the call")
+    flag, done, count, same = _checking_insert(device, n, 32, fp8, bad_rows, pad_rows=(1,), seed=3)
     assert (flag, done, count, same) == (int(bool(bad_rows)), 1, 0, True)
 
 
 @settings(max_examples=25, deadline=None)
 @given(
-    n=st.integers(1, 32),
+    n=st.integers(1, 256),
     di=st.sampled_from([8, 24, 128]),
     data=st.data(),
     seed=st.integers(0, 2**16),
 )
 def test_checking_insert_sweep(n, di, data, seed):
-    """Token counts up to one program's, head dims, bad and padded rows anywhere (CPU: the interpreter)."""
+    """Token counts from one program's to eight programs', head dims, bad and padded rows anywhere
+    (CPU: the interpreter)."""
     rows = st.lists(st.integers(0, n - 1), max_size=3, unique=True)
     bad_rows, pad_rows = data.draw(rows), data.draw(rows)
     pad_rows = [r for r in pad_rows if r not in bad_rows]
@@ -256,15 +261,18 @@ def test_checking_insert_sweep(n, di, data, seed):
     assert (flag, done, count, same) == (int(bool(bad_rows)), 1, 0, True)
 
 
-def test_a_checking_insert_takes_one_program_along_the_tokens():
-    from mm3lab.index_cache.kernel import checks_in_one_program, insert_index_cache_kernel
+def test_a_checking_insert_reads_every_slot_in_each_program():
+    from mm3lab.index_cache.kernel import CHECK_READS, checks_in_launch, insert_index_cache_kernel
 
-    assert checks_in_one_program(32, 128, False) and checks_in_one_program(32, 128, True)
-    assert not checks_in_one_program(33, 128, False) and not checks_in_one_program(0, 128, False)
+    assert CHECK_READS == 2**21
+    assert checks_in_launch(1, 128, False) and checks_in_launch(32, 128, True) and checks_in_launch(4096, 128, False)
+    assert checks_in_launch(8192, 128, False)  # 256 programs x 8192 slots
+    assert not checks_in_launch(8193, 128, False) and not checks_in_launch(0, 128, False)
+    assert not checks_in_launch(4096, 1024, False)  # 1024 programs x 4096 slots
     cache = allocate_index_cache(2, 128, fill=0.0)
     check = tuple(torch.zeros(1, dtype=torch.int32) for _ in range(3))
-    with pytest.raises(ValueError, match="one program along the tokens"):
-        insert_index_cache_kernel(torch.zeros(33, 128), cache, torch.arange(33), check=check)
+    with pytest.raises(ValueError, match="reads every slot in each program: 8193 keys are too many"):
+        insert_index_cache_kernel(torch.zeros(8193, 128), cache, torch.arange(8193), check=check)
     with pytest.raises(ValueError, match="not both"):
         insert_index_cache_kernel(torch.zeros(3, 128), cache, torch.arange(3), gate=check[0], check=check)
 

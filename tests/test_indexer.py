@@ -317,6 +317,104 @@ def test_scoring_chunks_and_row_tiles(device, blocks_per_program, block_q, dtype
         assert_same_scores(got, want)
 
 
+def _checking_scores(device, seq_lens, bad, blocks_per_program, block_q, dql=3, m=5, seed=0):
+    """The decode scores launch with its value checks (``check``): ``(flags, done, counter, scores equal
+    the reference's)``. ``bad``: ``(request, column, value)`` entries written into the block table."""
+    gen = torch.Generator().manual_seed(seed)
+    q, cache, bt, seq = decode_problem(
+        gen, b=len(seq_lens), m=m, h=4, di=16, dql=dql, seq_lens=[min(s, m * BLOCK) for s in seq_lens], device=device
+    )
+    seq = torch.tensor(seq_lens, dtype=seq.dtype, device=device)
+    for r, c, v in bad:
+        bt[r, c] = v
+    flags, count, done = (torch.zeros(2 if i == 0 else 1, dtype=torch.int32, device=device) for i in range(3))
+    got = _kernel_scores(
+        q, cache, bt, seq, seq, dql, False, True, block_q=block_q, blocks_per_program=blocks_per_program,
+        check=(flags, count, done),
+    )  # fmt: skip
+    with mm3lab.validation(False):  # (the reference masks what the kernel masks)
+        want = reference.index_scores_decode(q, cache, bt, seq.clamp(max=m * BLOCK), dql, 1, 1, forced=True)
+    same = bool(torch.equal(got, want)) if not bad else True
+    return flags.tolist(), int(done[0]), int(count[0]), same
+
+
+@pytest.mark.parametrize("blocks_per_program", [1, 2, 5])
+@pytest.mark.parametrize("block_q", [1, 4])
+@pytest.mark.parametrize(
+    ("seq_lens", "bad", "want"),
+    [
+        ([600, 130], [], [0, 0]),
+        ([600, 130], [(0, 4, -1)], [0, 1]),  # the last entry a 600-token request reads
+        ([600, 130], [(1, 1, 11)], [0, 1]),  # past the cache (11 blocks), read by the 130-token request
+        ([600, 130], [(1, 2, 99), (0, 0, -5)], [0, 1]),  # (1, 2) is not read; (0, 0) is
+        ([600, 130], [(1, 2, 99)], [0, 0]),  # an entry no row reads
+        ([641, 130], [], [1, 0]),  # a seq_len past the table's 5 blocks
+        ([0, 130], [(0, 0, -1)], [0, 0]),  # an empty request reads nothing
+    ],
+)
+def test_a_checking_scores_launch_flags_what_the_value_checks_reject(
+    device, blocks_per_program, block_q, seq_lens, bad, want
+):
+    """The decode scores launch that checks the call's values itself: its flags say what
+    ``check_decode_values`` rejects (``seq_len`` past the table, a read entry outside the cache), whichever
+    program reads the entry (chunks of 1, 2 or 5 blocks; row tiles of 1 or 4 rows of a request); its
+    ``done`` word is set and its counter back at zero; a clean call's scores are the reference's."""
+    flags, done, count, same = _checking_scores(device, seq_lens, bad, blocks_per_program, block_q)
+    assert (flags, done, count, same) == (want, 1, 0, True)
+    from mm3lab.indexer.checks import check_decode_values
+
+    gen = torch.Generator().manual_seed(0)
+    _, cache, bt, _ = decode_problem(gen, b=2, m=5, h=4, di=16, dql=3, seq_lens=[0, 0], device=device)
+    for r, c, v in bad:
+        bt[r, c] = v
+    seq = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    if any(want):
+        with pytest.raises(ValueError, match="seq_lens" if want[0] else "block_table"):
+            check_decode_values(cache, bt, seq)
+    else:
+        check_decode_values(cache, bt, seq)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seq_lens=st.lists(st.integers(0, 5 * BLOCK + 40), min_size=1, max_size=3),
+    bad=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 4), st.sampled_from([-1, 11, 2**31 - 1])), max_size=2),
+    blocks_per_program=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_checking_scores_sweep(seq_lens, bad, blocks_per_program, seed):
+    """Random lengths and bad entries: the launch's flags equal what the detailed check finds (CPU: the
+    interpreter)."""
+    from mm3lab.indexer.checks import check_decode_values
+
+    bad = [(r % len(seq_lens), c, v) for r, c, v in bad]
+    flags, done, count, _ = _checking_scores("cpu", seq_lens, bad, blocks_per_program, 1, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    _, cache, bt, _ = decode_problem(gen, b=len(seq_lens), m=5, h=4, di=16, dql=3, seq_lens=[0] * len(seq_lens))
+    for r, c, v in bad:
+        bt[r, c] = v
+    seq = torch.tensor(seq_lens, dtype=torch.int64)
+    try:
+        check_decode_values(cache, bt, seq)
+        rejected = False
+    except ValueError:
+        rejected = True
+    assert (done, count) == (1, 0)
+    assert bool(any(flags)) == rejected
+    assert flags[0] == int(any(s > 5 * BLOCK for s in seq_lens))
+
+
+def test_a_checking_scores_launch_takes_decode_rows():
+    q = torch.zeros(2, 4, 16)
+    cache, bt, seq = torch.zeros(3, BLOCK, 16), torch.zeros(1, 2, dtype=torch.int32), torch.tensor([3])
+    out = torch.empty(4, 2, 2)
+    check = tuple(torch.zeros(2, dtype=torch.int32) for _ in range(3))
+    with pytest.raises(ValueError, match="decode rows only"):
+        index_scores_kernel(q, cache, bt, seq, seq, 1, True, 0, 1, True, out, check=check)
+    with pytest.raises(ValueError, match="decode rows only"):
+        index_scores_kernel(q, cache, bt[:, :0], seq, seq, 2, False, 0, 1, True, out, check=check)
+
+
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_scoring_either_dot_orientation(device, prefill, dtype):

@@ -99,11 +99,10 @@ def insert_index_cache(
             different devices; with validation on, a slot ``>= num_blocks * 128``.
     """
     # A repeated call shape on a GPU: checked once, its launch replayed; the slots checked every call.
-    # A small insert (one program along the tokens) checks its slots itself: one launch, which writes
-    # nothing when a slot is past the cache, and one wait for its flag. Without that launch (zero-copy
-    # off, or a larger head dim) a small replayed insert is gated (it reads the check launch's flags
-    # and writes nothing when one is set), so it is queued while the check runs; a rejected call
-    # writes nothing either way.
+    # An insert of up to a few thousand keys checks its slots itself: one launch, which writes nothing
+    # when a slot is past the cache, and one wait for its flag. Without that launch (zero-copy off, or
+    # more keys) a small replayed insert is gated (it reads the check launch's flags and writes nothing
+    # when one is set), so it is queued while the check runs; a rejected call writes nothing either way.
     validate = validation_enabled()
 
     def gated() -> bool:  # (asked after the checks: index_k is a tensor)
@@ -122,10 +121,10 @@ def insert_index_cache(
             raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
         return
     if entry is None and key is not None and validate and index_k.dim() == 2:
-        from .kernel import checks_in_one_program
+        from .kernel import checks_in_launch
 
         fused = _valcheck.fused_flags(index_k.device)
-        if SELF_CHECK and fused is not None and checks_in_one_program(*index_k.shape, index_scale is not None):
+        if SELF_CHECK and fused is not None and checks_in_launch(*index_k.shape, index_scale is not None):
             # one launch that checks its slots before it writes: the replays' value checks run inside it
             check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale)
             launch = lambda: _insert_checked(index_k, index_cache, slot_mapping, index_scale, check=fused)  # noqa: E731
@@ -157,9 +156,10 @@ def insert_index_cache(
 
 
 SELF_CHECK = True
-"""An insert whose keys fit one program along the tokens, with validation on and zero-copy flags, checks
-its own slots in its one launch (:func:`.kernel.checks_in_one_program`); ``False``: a check launch and
-the insert gated on it (benchmarks compare both)."""
+"""An insert of up to :data:`.kernel.CHECK_READS` slot reads (8192 keys of 128 dims), with validation on
+and zero-copy flags, checks its own slots in its one launch (:func:`.kernel.checks_in_launch`); ``False``:
+a check launch, then the insert (gated on its flags where it has at most :data:`GATED_TOKENS` keys;
+benchmarks compare both)."""
 
 GATED_TOKENS = 32
 """The most keys a replayed, checked insert gates on its check's flags (one program of the kernel).

@@ -5,10 +5,12 @@ A negative slot (padding) or a slot past the cache masks its row: nothing is
 read for it and nothing written. A gated launch (``gate``) first reads the flags that
 the call's value-check launch, queued before it, wrote: if one is set, it writes
 nothing at all, so the host can queue the insert before it has read those flags. A checking
-launch (``check``: one program over the tokens, :func:`checks_in_one_program`) runs that value
-check itself: a slot past the cache sets its flag and then nothing is written, and its ``done``
-word tells the host the flag is final (:func:`mm3lab._valcheck.signal_done`), so a small insert
-is one launch and one wait.
+launch (``check``, :func:`checks_in_launch`) runs that value check itself: every program reads
+every slot, so all of them find the same verdict without waiting for one another; a slot past
+the cache sets the flag and then no program writes, and the ``done`` word, set by the last
+program to finish its check, tells the host the flag is final
+(:func:`mm3lab._valcheck.signal_done`). So an insert of up to a few thousand keys is one launch
+and one wait.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def _insert_index_cache(
     SPARSE_BLOCK: tl.constexpr,
     GATED: tl.constexpr,
     GATE_FLAGS: tl.constexpr,  # a power of two
-    CHECK: tl.constexpr,  # the value check in this launch (its one program along the tokens sees them all)
+    CHECK: tl.constexpr,  # the value check in this launch (every program reads every slot)
+    CHECK_BLOCK: tl.constexpr,  # CHECK: slots read per step of that check
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -101,8 +104,15 @@ def _insert_index_cache(
         flagged = tl.max(tl.load(gate_ptr + tl.arange(0, GATE_FLAGS), volatile=True), 0)
         in_rows = in_rows & ((tl.zeros_like(rows) + flagged) == 0)
     slot = tl.load(slot_ptr + rows.to(tl.int64) * stride_s, mask=in_rows, other=-1).to(tl.int64)
-    if CHECK:  # every program sees every token: each finds the same verdict, and writes only if clear
-        bad = tl.max((in_rows & (slot >= capacity)).to(tl.int32), 0)
+    if CHECK:  # every program reads every slot: each finds the same verdict, and writes only if it is clear
+        past = tl.zeros([CHECK_BLOCK], dtype=tl.int32)
+        start = 0
+        while start < N:  # (a while loop: the interpreter cannot run range() with runtime bounds)
+            at = start + tl.arange(0, CHECK_BLOCK)
+            every = tl.load(slot_ptr + at.to(tl.int64) * stride_s, mask=at < N, other=-1).to(tl.int64)
+            past = tl.maximum(past, (every >= capacity).to(tl.int32))
+            start += CHECK_BLOCK
+        bad = tl.max(past, 0)
         tl.store(flags_ptr, bad, mask=bad != 0)
         signal_done(count_ptr, done_ptr)
         in_rows = in_rows & ((tl.zeros_like(rows) + bad) == 0)
@@ -118,24 +128,36 @@ def _tiles(n: int, di: int, quant: bool) -> tuple[int, int]:
     return max(1, min(32, 4096 // block_d, next_power_of_2(n))), block_d
 
 
-def checks_in_one_program(n: int, di: int, quant: bool) -> bool:
-    """Whether an insert of ``n`` keys of ``di`` dims has one program along the tokens, which can then
-    check every slot before it writes (a launch given ``check``)."""
-    return 0 < n <= _tiles(n, di, quant)[0]
+CHECK_READS = 2**21
+"""The most slot reads a checking launch makes in all: each of its programs reads all ``N`` slots, so
+its reads grow as ``N**2`` (4096 keys of 128 dims: 128 programs, 0.5M reads of slots the first program
+brought into L2)."""
+
+
+def _grid(n: int, di: int, quant: bool) -> tuple[int, int]:
+    block_n, block_d = _tiles(n, di, quant)
+    return cdiv(n, block_n), cdiv(di, block_d)
+
+
+def checks_in_launch(n: int, di: int, quant: bool) -> bool:
+    """Whether an insert of ``n`` keys of ``di`` dims may check its own slots (a launch given ``check``):
+    every program reads every slot, at most :data:`CHECK_READS` reads in all (up to 8192 keys of 128 dims)."""
+    programs = _grid(n, di, quant)
+    return 0 < n and programs[0] * programs[1] * n <= CHECK_READS
 
 
 def insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale=None, gate=None, check=None) -> None:
     """Launch the insert (arguments already validated, ``N > 0``); ``index_scale`` for an FP8 cache.
     ``gate``: int32 flags (a power of two of them) that a value-check launch queued before this one
     writes; the insert writes nothing where one is set. ``check``: ``(flags, count, done)``
-    (:class:`mm3lab._valcheck.Fused`), where :func:`checks_in_one_program`: the launch checks the slots
+    (:class:`mm3lab._valcheck.Fused`), where :func:`checks_in_launch`: the launch checks the slots
     itself (flags[0] set where one is past the cache, and then nothing written) and signals ``done``."""
     n, di = index_k.shape
     quant = index_scale is not None
     block_n, block_d = _tiles(n, di, quant)
-    grid = (cdiv(n, block_n), cdiv(di, block_d))
-    if check is not None and grid[0] != 1:
-        raise ValueError(f"a checking insert takes one program along the tokens, not {grid[0]}")
+    grid = _grid(n, di, quant)
+    if check is not None and not checks_in_launch(n, di, quant):
+        raise ValueError(f"a checking insert reads every slot in each program: {n} keys are too many")
     if check is not None and gate is not None:
         raise ValueError("an insert is gated on another launch's check or checks itself, not both")
     flags, count, done = (slot_mapping,) * 3 if check is None else check
@@ -164,8 +186,9 @@ def insert_index_cache_kernel(index_k, index_cache, slot_mapping, index_scale=No
         GATED=gate is not None,
         GATE_FLAGS=1 if gate is None else gate.numel(),
         CHECK=check is not None,
+        CHECK_BLOCK=min(1024, next_power_of_2(n)),
         num_warps=4,
     )
 
 
-__all__ = ["checks_in_one_program", "index_rows_store", "insert_index_cache_kernel"]
+__all__ = ["CHECK_READS", "checks_in_launch", "index_rows_store", "insert_index_cache_kernel"]

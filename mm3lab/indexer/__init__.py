@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import _replay, backend
+from .. import _replay, _valcheck, backend
 from .._checks import validation_enabled
 from ..block_table import MAX_KERNEL_TOPK, build_sparse_block_table_decode, build_sparse_block_table_prefill
 from ..constants import PAGES_PER_SPARSE_BLOCK
@@ -103,13 +103,15 @@ class _Call(NamedTuple):
             rows = _Rows(a.query_req_id, a.query_abs_pos, 1, True)
         return cls(a.index_q, a.index_cache, a.block_table, rows, a.init_blocks, a.local_blocks, a.index_scale)
 
-    def run(self, entry: str, arguments: dict, checked: bool = False, outs: dict | None = None):
+    def run(self, entry: str, arguments: dict, checked: bool = False, outs: dict | None = None, check=None):
         """Check the call (unless the caller has: ``checked``), then run ``entry``: the scores kernel
         (then the top-k kernel), or the reference where SPEC 7 says so.
 
         ``arguments``: every argument of the entry point by name; besides the rows and the tensors,
         its own ones: ``forced`` (scores), ``topk``, and ``block_page_stride`` (top-k fused with
         the sparse block table). ``outs``: the kernels' output buffers by name (:meth:`tensors`), else new ones.
+        ``check``: the scores launch checks the call's values (where :meth:`checks_in_scores`; see
+        :func:`.kernel.index_scores_kernel`).
         """
         outs = outs or {}
         index_q, index_cache, block_table, rows, init_blocks, local_blocks, index_scale = self
@@ -121,7 +123,7 @@ class _Call(NamedTuple):
             return getattr(reference, entry)(**arguments)  # the twin has the same signature
         if block_page_stride is not None and topk > MAX_KERNEL_TOPK:
             backend.fallback_taken(entry, "topk-over-512")
-        scores = self.scores(forced=bool(arguments.get("forced", True)), out=outs.get("scores"))
+        scores = self.scores(forced=bool(arguments.get("forced", True)), out=outs.get("scores"), check=check)
         if topk is NO_TOPK:
             return scores
         table = () if block_page_stride is None else (block_table, block_page_stride)
@@ -189,8 +191,20 @@ class _Call(NamedTuple):
             named["sparse_ctx"] = new(h, n, dtype=torch.int32)
         return named
 
-    def scores(self, forced: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The scores kernel: ``[H, N, M]`` float32 (into ``out`` where given), forced (what top-k ranks) or raw."""
+    def checks_in_scores(self) -> bool:
+        """Whether the scores launch can run the call's value checks (given tensors that passed the
+        structural checks): decode rows, some rows, heads and blocks, the kernel path."""
+        index_q, index_cache, block_table, rows, *_ = self
+        if rows.prefill or not isinstance(index_q, torch.Tensor) or index_q.dim() != 3 or not index_q.numel():
+            return False
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or not block_table.shape[1]:
+            return False
+        fallback = index_fallback(index_q.dtype, index_cache.dtype, index_q.shape[1])
+        return backend.use_kernel(index_q, index_cache, block_table, rows.req, fallback=fallback)
+
+    def scores(self, forced: bool, out: torch.Tensor | None = None, check=None) -> torch.Tensor:
+        """The scores kernel: ``[H, N, M]`` float32 (into ``out`` where given), forced (what top-k ranks) or raw;
+        ``check``: :func:`.kernel.index_scores_kernel`'s."""
         from .kernel import index_scores_kernel
 
         index_q, index_cache, block_table, rows, init_blocks, local_blocks, index_scale = self
@@ -201,7 +215,16 @@ class _Call(NamedTuple):
         if scores is None:
             scores = torch.empty(h, n, block_table.shape[1], dtype=torch.float32, device=index_q.device)
         index_scores_kernel(
-            index_q, index_cache, block_table, *rows, init_blocks, local_blocks, forced, scores, index_scale=index_scale
+            index_q,
+            index_cache,
+            block_table,
+            *rows,
+            init_blocks,
+            local_blocks,
+            forced,
+            scores,
+            index_scale=index_scale,
+            check=check,
         )
         return scores
 
@@ -245,9 +268,29 @@ def _run(entry: str, arguments: dict):
     """Check and run the entry point ``entry``; ``arguments``: all of its arguments by name (its ``locals()``).
 
     A repeated call shape on a GPU is checked once and its launches replayed (:data:`_MEMO`); its
-    value checks run on every call."""
+    value checks run on every call: inside the scores launch for decode rows (:data:`FUSED_CHECKS`),
+    else in a check launch of their own."""
     call = _Call.of(arguments)
     key = call.memo_key(entry, arguments)
+    entry_ = _MEMO.get(key)
+    if entry_ is not None and entry_.recording is not None and entry_.info is not None:
+        # a kept launch whose scores check the call's values: replay, then read its flags
+        fused, bufs = entry_.info
+        named = call.tensors(arguments)
+        if _valcheck.replay_checked(entry_.recording, named, call.index_q.device, key.stream, fused, bufs):
+            check_decode_values(call.index_cache, call.block_table, call.rows.req)  # (its message)
+            raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
+        return _result(named)
+    if entry_ is None and key is not None and FUSED_CHECKS and validation_enabled() and call.checks_in_scores():
+        fused = _valcheck.fused_flags(call.index_q.device)
+        if fused is not None:
+            call._check(arguments.get("topk", NO_TOPK), arguments.get("block_page_stride"))  # every check
+            named = call.tensors(arguments)
+            launch = lambda: call.run(entry, arguments, checked=True, outs=named, check=fused)  # noqa: E731
+            returned, recording = _valcheck.record_checked(launch, named, call.index_q.device, fused)
+            info = None if recording is None else (fused, _valcheck.fused_buffers(call.index_q.device))
+            _MEMO.put(key, recording, info)
+            return returned
     return _replay.memo_call(
         _MEMO,
         key,
@@ -256,7 +299,14 @@ def _run(entry: str, arguments: dict):
         tensors=lambda: call.tensors(arguments),
         launch=lambda named: call.run(entry, arguments, checked=True, outs=named),
         result=_result,
+        entry=entry_,  # (looked up above)
     )
+
+
+FUSED_CHECKS = True
+"""A repeated decode call shape with validation on (and zero-copy flags) checks its values inside its
+scores launch (:func:`.kernel.index_scores_kernel`'s ``check``): one launch fewer, and one wait for that
+launch's programs to have checked; ``False``: a check launch of its own, the launches queued behind it."""
 
 
 def _result(named: dict):

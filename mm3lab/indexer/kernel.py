@@ -56,6 +56,7 @@ from .. import _pdl, backend
 from .._fit import fitting
 from .._fp8_triton import round_to_e4m3
 from .._grid import cdiv, next_power_of_2
+from .._valcheck import signal_done
 from ..block_table.kernel import emit_sparse_block_table_row
 from ..constants import INIT_SCORE, LOCAL_SCORE, NAN_SCORE, PAGES_PER_SPARSE_BLOCK, RAW_SCORE_LIMIT, SPARSE_BLOCK_SIZE
 from ..rows import row_request_position
@@ -221,6 +222,9 @@ def _index_scores(
     blocks_per_program,
     init_blocks,
     local_blocks,
+    flags_ptr,  # CHECK: [2] int32 value-check flags (host memory; see _check_decode_values)
+    count_ptr,  # CHECK: the launch counter and the done word (see mm3lab._valcheck.signal_done)
+    done_ptr,
     PREFILL: tl.constexpr,
     FORCE: tl.constexpr,
     IEEE: tl.constexpr,
@@ -235,6 +239,7 @@ def _index_scores(
     TOK_M: tl.constexpr,
     PAIR: tl.constexpr,
     PDL: tl.constexpr,
+    CHECK: tl.constexpr,  # decode: every program checks its share of the call's values, then signals the host
 ):
     _pdl.wait_previous(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
@@ -283,6 +288,12 @@ def _index_scores(
 
     first = chunk * blocks_per_program
     last = tl.minimum(first + blocks_per_program, M)
+    if CHECK:  # (decode only; before the scores, so that the host hears early)
+        _check_decode_values(
+            req_ptr, stride_r, bt_ptr, stride_bb, stride_bm, (t // TILES_PER_REQ).to(tl.int64), first, last, M,
+            num_blocks, flags_ptr, SPARSE_BLOCK,
+        )  # fmt: skip
+        signal_done(count_ptr, done_ptr)
     scored_until = tl.minimum(last, tl.reduce(valid, 0, _max))  # blocks past every lane's candidates are -inf
     tile_req = (t // TILES_PER_REQ).to(tl.int64)  # decode: the tile's one request
     tile_p = tl.reduce(p, 0, _max)  # the last position of any lane
@@ -308,6 +319,32 @@ def _index_scores(
     while b < last:
         tl.store(out_row + b, minus_inf, mask=lane_ok)
         b += 1
+
+
+@triton.jit
+def _check_decode_values(
+    seq_ptr, stride_s, bt_ptr, stride_bb, stride_bm, r, first, last, M, num_blocks, flags_ptr,
+    SPARSE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """A decode program's share of :func:`mm3lab.indexer.checks.check_decode_values`: request ``r``'s
+    ``seq_len`` fits its ``M`` blocks (else ``flags[0]``), and its block-table entries ``first .. last - 1``
+    that the request reads (``ceil(seq_len / 128)`` from column 0, at most ``M``) lie in the cache (else
+    ``flags[1]``). The programs of a launch share out every request and every column, so together they
+    make the whole check."""
+    CHECK_COLS: tl.constexpr = 128
+    seq_len = tl.load(seq_ptr + r * stride_s).to(tl.int64)
+    used = (tl.minimum(tl.maximum(seq_len, 0), M * SPARSE_BLOCK) + SPARSE_BLOCK - 1) // SPARSE_BLOCK
+    until = tl.minimum(last, used)
+    outside = tl.zeros([CHECK_COLS], dtype=tl.int32)
+    c = first
+    while c < until:  # (a while loop: the interpreter cannot run range() with runtime bounds)
+        cols = c + tl.arange(0, CHECK_COLS)
+        inside = cols < until
+        ids = tl.load(bt_ptr + r * stride_bb + cols * stride_bm, mask=inside, other=0).to(tl.int64)
+        outside = tl.maximum(outside, (inside & ((ids < 0) | (ids >= num_blocks))).to(tl.int32))
+        c += CHECK_COLS
+    tl.store(flags_ptr, 1, mask=seq_len > M * SPARSE_BLOCK)
+    tl.store(flags_ptr + 1, 1, mask=tl.max(outside, 0) > 0)
 
 
 @triton.jit
@@ -428,8 +465,15 @@ def index_scores_kernel(
     num_warps: int | None = None,
     tok_m: bool | None = None,
     pair_parts: bool | None = None,
+    check=None,
 ) -> None:
     """Launch the scoring kernel into ``out [H, N, M]`` float32 (arguments already validated).
+
+    ``check``: decode rows only (``N``, ``H`` and ``M`` above 0), ``(flags, count, done)``
+    (:class:`mm3lab._valcheck.Fused`): every program first checks its share of the call's values (its
+    request's ``seq_len`` and the block-table entries of its chunk that the request reads), sets
+    ``flags[0]`` / ``flags[1]`` for a bad ``seq_len`` / entry, and the last program to finish its
+    checks sets ``done``; the scores are computed either way (they never read outside the cache).
 
     ``block_q`` (rows per tile) and ``blocks_per_program`` (blocks per chunk) override the
     host-side heuristic; tests use them to reach every code path with small shapes. The heuristic
@@ -454,6 +498,8 @@ def index_scores_kernel(
     """
     n, h, di = index_q.shape
     b, m = block_table.shape
+    if check is not None and (prefill or n == 0 or h == 0 or m == 0):
+        raise ValueError("check: decode rows only, with N, H and M above 0")
     if n == 0 or h == 0 or m == 0:
         return
     block_h = next_power_of_2(h)
@@ -528,6 +574,7 @@ def index_scores_kernel(
         blocks_per_program,
         init_blocks,
         local_blocks,
+        *((block_table,) * 3 if check is None else check),
         PREFILL=prefill,
         FORCE=forced,
         IEEE=index_q.dtype == torch.float32 and not fp8,
@@ -540,6 +587,7 @@ def index_scores_kernel(
         EVEN_D=block_d == di,
         TOK_M=tok_m,
         PAIR=pair,
+        CHECK=check is not None,
         num_warps=num_warps,
         **_pdl.options(index_q.device),
     )
