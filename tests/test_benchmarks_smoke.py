@@ -337,6 +337,19 @@ def test_the_eager_ab_runs_every_arm_and_keeps_nothing_changed(capsys):
     assert mm3lab.indexer.FUSED_CHECKS is True
 
 
+def test_the_insert_ab_runs_every_arm_and_restores_the_switch(capsys):
+    """``python -m benchmarks.insert_ab --dry-run``: every arm at each token count (more keys than one
+    program's), and the insert's self-check switch as it was afterwards."""
+    from benchmarks import insert_ab
+
+    assert insert_ab.main(["--dry-run"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    records = [ast.literal_eval(line) for line in lines]
+    assert [r["tokens"] for r in records] == [4, 40]
+    assert all(set(insert_ab.ARMS) <= set(r) and all(len(v) == 1 for v in r["rounds_us"].values()) for r in records)
+    assert mm3lab.index_cache.SELF_CHECK is True
+
+
 def test_the_tiled_variants_run_and_agree(capsys):
     """``python -m benchmarks.tiled_variants --dry-run``: its arms and the per-row kernel run on a small
     chunk; the union walk (every tile of that selection walks its union) gives the default's bits."""
