@@ -18,10 +18,12 @@ Value checks cost one small launch and one host read per call
 into a few flags, and only a flagged call computes its detailed message. The
 launch's last program sets a ``done`` word in pinned host memory, which the call
 watches instead of syncing the stream. A repeated eager call of ``sparse_attention``
-(with a new output) or of the decode block table (a remembered call shape,
-:class:`mm3lab._replay.Memo`) has its kernel run the same checks as it reads the
-entries, writing the flags into pinned host memory and saying when they are final:
-no check launch, and one host read that does not wait for the rest of the kernel.
+(with a new output), of the decode block table or of a decode indexer entry point (a
+remembered call shape, :class:`mm3lab._replay.Memo`) has its kernel (the indexer's scores
+kernel) run the same checks as it reads the entries, writing the flags into pinned host
+memory and saying when they are final: no check launch, and one host read that does not
+wait for the rest of the kernel. An index-cache insert of up to 8192 keys checks its own
+slots the same way, and writes nothing when one is past the cache.
 The block table given ``out=`` keeps what it overwrites, and a rejected call puts
 it back before raising.
 
