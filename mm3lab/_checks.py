@@ -273,8 +273,14 @@ def value_checks(segments, detail, key=None, then=None) -> None:
     from ._valcheck import flags_known
 
     if any(flags_known(key, segments if callable(segments) else lambda: segments, then)):
-        detail()
-        raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
+        raise_flagged(detail)
+
+
+def raise_flagged(detail) -> None:
+    """A call's value check flagged an entry: ``detail()``, the call's detailed checks, raises their
+    ``ValueError``; one that finds nothing is a bug in the checks, and raises ``RuntimeError``."""
+    detail()
+    raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
 
 
 def check_slots_inside(slot_mapping: torch.Tensor, capacity: int, cache: str, key=None, then=None) -> None:

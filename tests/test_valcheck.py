@@ -344,3 +344,17 @@ def test_a_check_queued_behind_long_work_is_waited_for_without_a_stream_sync(mon
         torch.cuda._sleep(40_000_000)
         assert _valcheck.flags(*bad) == [1, 0]  # (a flagged read drains the stream before it zeroes them)
         assert _valcheck.flags(*good) == [0, 0]
+
+
+def test_a_flagged_check_raises_the_detailed_message_or_names_the_bug():
+    """``raise_flagged``: the detailed checks' own ``ValueError`` where they find the entry; where they find
+    nothing that the flags said, a ``RuntimeError`` (the checks disagree), never a silent return."""
+    from mm3lab._checks import raise_flagged
+
+    def finds():
+        raise ValueError("slot_mapping: row 5 has slot 512")
+
+    with pytest.raises(ValueError, match="row 5"):
+        raise_flagged(finds)
+    with pytest.raises(RuntimeError, match="its detailed check does not find"):
+        raise_flagged(lambda: None)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from .. import _replay, _valcheck, backend
-from .._checks import check_scale, validation_enabled
+from .._checks import check_scale, raise_flagged, validation_enabled
 from ..constants import PAGES_PER_SPARSE_BLOCK
 from ..layout.views import PACKED_STRIDE
 from . import reference
@@ -134,8 +134,7 @@ def sparse_attention(
             out, lse, inputs = _outputs(q, k_cache, v_cache, sparse_bt, sparse_ctx, k_scale, v_scale, return_lse, out)
             if _valcheck.replay_checked(entry.recording, inputs, q.device, key.stream, fused, bufs):
                 # the checks' own message (they find what the launch flagged)
-                _detail(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride)
-                raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
+                raise_flagged(lambda: _detail(k_cache, v_cache, sparse_bt, sparse_ctx, block_page_stride))
             return (out, lse) if return_lse else out
     block_page_stride, scale = check_sparse_attention(
         q, k_cache, v_cache, sparse_bt, sparse_ctx, scale, out, k_scale, v_scale

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from .. import _replay, _valcheck, backend
-from .._checks import validation_enabled
+from .._checks import raise_flagged, validation_enabled
 from ..constants import PAGES_PER_SPARSE_BLOCK
 from . import reference
 from .checks import BLOCK_PAGE_STRIDES, _physical_id_range, check_decode, check_decode_values, check_prefill
@@ -138,8 +138,7 @@ def build_sparse_block_table_decode(
                     out[0].copy_(backup[0])
                     out[1].copy_(backup[1])
                 # the checks' own message (they find what the launch flagged)
-                check_decode_values(topk_idx, block_table, seq_lens, block_page_stride)
-                raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
+                raise_flagged(lambda: check_decode_values(topk_idx, block_table, seq_lens, block_page_stride))
             return out
     check_decode(topk_idx, block_table, seq_lens, decode_query_len, block_page_stride, out)
     rows = (seq_lens, decode_query_len)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import _replay, _valcheck, backend
-from .._checks import FLOAT_DTYPES, check_device, check_int, check_slots_inside, validation_enabled
+from .._checks import FLOAT_DTYPES, check_device, check_int, check_slots_inside, raise_flagged, validation_enabled
 from ..constants import SPARSE_BLOCK_SIZE
 from ..fp8 import FP8_DTYPE
 from ..rows import row_slots
@@ -117,8 +117,7 @@ def insert_index_cache(
         # a kept checking launch: it checks the slots itself, and writes nothing where one is past the cache
         fused, bufs = entry.info
         if _valcheck.replay_checked(entry.recording, tensors(), index_k.device, key.stream, fused, bufs):
-            check_slots_inside(slot_mapping, index_cache_slots(index_cache), "the index cache")  # its message
-            raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
+            raise_flagged(lambda: check_slots_inside(slot_mapping, index_cache_slots(index_cache), "the index cache"))
         return
     if entry is None and key is not None and validate and index_k.dim() == 2:
         from .kernel import checks_in_launch

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _replay, _valcheck, backend
-from .._checks import validation_enabled
+from .._checks import raise_flagged, validation_enabled
 from ..block_table import MAX_KERNEL_TOPK, build_sparse_block_table_decode, build_sparse_block_table_prefill
 from ..constants import PAGES_PER_SPARSE_BLOCK
 from ..fp8 import FP8_DTYPE
@@ -278,8 +278,7 @@ def _run(entry: str, arguments: dict):
         fused, bufs = entry_.info
         named = call.tensors(arguments)
         if _valcheck.replay_checked(entry_.recording, named, call.index_q.device, key.stream, fused, bufs):
-            check_decode_values(call.index_cache, call.block_table, call.rows.req)  # (its message)
-            raise RuntimeError("mm3lab: a value check flagged an entry its detailed check does not find (a bug)")
+            raise_flagged(lambda: check_decode_values(call.index_cache, call.block_table, call.rows.req))
         return _result(named)
     if entry_ is None and key is not None and FUSED_CHECKS and validation_enabled() and call.checks_in_scores():
         fused = _valcheck.fused_flags(call.index_q.device)
