@@ -60,7 +60,9 @@ __all__ = [
     "kernel_on_cpu",
     "read_fused",
     "record_checked",
+    "keep_checked",
     "replay_checked",
+    "replay_kept",
     "reset_stats",
     "signal_done",
     "signal_done_of",
@@ -783,6 +785,26 @@ def replay_checked(
             settle(device, sync=True)
         raise
     return fused is not None and any(read_fused(device, bufs))
+
+
+def replay_kept(entry, inputs: dict, device: torch.device, stream, detail) -> None:
+    """Replay a memo entry that :func:`keep_checked` kept (its launch checks the call's values itself) with
+    the call's ``inputs``; where the launch flagged a value, ``detail()`` (the call's detailed checks)
+    raises its message (:func:`mm3lab._checks.raise_flagged`)."""
+    from ._checks import raise_flagged
+
+    fused, bufs = entry.info
+    if replay_checked(entry.recording, inputs, device, stream, fused, bufs):
+        raise_flagged(detail)
+
+
+def keep_checked(memo, key, launch, inputs: dict, device: torch.device, fused: Fused):
+    """The first call of a shape whose launch checks the call's values itself (given ``fused``): run
+    ``launch`` and record it (:func:`record_checked`), keep the recording in ``memo`` under ``key`` with
+    what its replays need, ``fused`` and its buffers (:func:`replay_kept`); returns ``launch``'s result."""
+    returned, recording = record_checked(launch, inputs, device, fused)
+    memo.put(key, recording, None if recording is None else (fused, fused_buffers(device)))
+    return returned
 
 
 def record_checked(launch, inputs: dict, device: torch.device, fused: Fused | None):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import _replay, _valcheck, backend
-from .._checks import FLOAT_DTYPES, check_device, check_int, check_slots_inside, raise_flagged, validation_enabled
+from .._checks import FLOAT_DTYPES, check_device, check_int, check_slots_inside, validation_enabled
 from ..constants import SPARSE_BLOCK_SIZE
 from ..fp8 import FP8_DTYPE
 from ..rows import row_slots
@@ -115,9 +115,8 @@ def insert_index_cache(
     entry = _MEMO.get(key)
     if entry is not None and entry.recording is not None and entry.info is not None:
         # a kept checking launch: it checks the slots itself, and writes nothing where one is past the cache
-        fused, bufs = entry.info
-        if _valcheck.replay_checked(entry.recording, tensors(), index_k.device, key.stream, fused, bufs):
-            raise_flagged(lambda: check_slots_inside(slot_mapping, index_cache_slots(index_cache), "the index cache"))
+        detail = lambda: check_slots_inside(slot_mapping, index_cache_slots(index_cache), "the index cache")  # noqa: E731
+        _valcheck.replay_kept(entry, tensors(), index_k.device, key.stream, detail)
         return
     if entry is None and key is not None and validate and index_k.dim() == 2:
         from .kernel import checks_in_launch
@@ -127,8 +126,7 @@ def insert_index_cache(
             # one launch that checks its slots before it writes: the replays' value checks run inside it
             check_insert_index_cache(index_k, index_cache, slot_mapping, index_scale)
             launch = lambda: _insert_checked(index_k, index_cache, slot_mapping, index_scale, check=fused)  # noqa: E731
-            _, recording = _valcheck.record_checked(launch, tensors(), index_k.device, fused)
-            _MEMO.put(key, recording, None if recording is None else (fused, _valcheck.fused_buffers(index_k.device)))
+            _valcheck.keep_checked(_MEMO, key, launch, tensors(), index_k.device, fused)
             return
     _replay.memo_call(
         _MEMO,

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _replay, _valcheck, backend
-from .._checks import raise_flagged, validation_enabled
+from .._checks import validation_enabled
 from ..block_table import MAX_KERNEL_TOPK, build_sparse_block_table_decode, build_sparse_block_table_prefill
 from ..constants import PAGES_PER_SPARSE_BLOCK
 from ..fp8 import FP8_DTYPE
@@ -275,10 +275,9 @@ def _run(entry: str, arguments: dict):
     entry_ = _MEMO.get(key)
     if entry_ is not None and entry_.recording is not None and entry_.info is not None:
         # a kept launch whose scores check the call's values: replay, then read its flags
-        fused, bufs = entry_.info
         named = call.tensors(arguments)
-        if _valcheck.replay_checked(entry_.recording, named, call.index_q.device, key.stream, fused, bufs):
-            raise_flagged(lambda: check_decode_values(call.index_cache, call.block_table, call.rows.req))
+        detail = lambda: check_decode_values(call.index_cache, call.block_table, call.rows.req)  # noqa: E731
+        _valcheck.replay_kept(entry_, named, call.index_q.device, key.stream, detail)
         return _result(named)
     if entry_ is None and key is not None and FUSED_CHECKS and validation_enabled() and call.checks_in_scores():
         fused = _valcheck.fused_flags(call.index_q.device)
@@ -286,10 +285,7 @@ def _run(entry: str, arguments: dict):
             call._check(arguments.get("topk", NO_TOPK), arguments.get("block_page_stride"))  # every check
             named = call.tensors(arguments)
             launch = lambda: call.run(entry, arguments, checked=True, outs=named, check=fused)  # noqa: E731
-            returned, recording = _valcheck.record_checked(launch, named, call.index_q.device, fused)
-            info = None if recording is None else (fused, _valcheck.fused_buffers(call.index_q.device))
-            _MEMO.put(key, recording, info)
-            return returned
+            return _valcheck.keep_checked(_MEMO, key, launch, named, call.index_q.device, fused)
     return _replay.memo_call(
         _MEMO,
         key,
