@@ -199,8 +199,7 @@ class _Call(NamedTuple):
             return False
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or not block_table.shape[1]:
             return False
-        fallback = index_fallback(index_q.dtype, index_cache.dtype, index_q.shape[1])
-        return backend.use_kernel(index_q, index_cache, block_table, rows.req, fallback=fallback)
+        return _use_kernel(None, index_q, index_cache, block_table, rows.req)  # (None: no fallback logged)
 
     def scores(self, forced: bool, out: torch.Tensor | None = None, check=None) -> torch.Tensor:
         """The scores kernel: ``[H, N, M]`` float32 (into ``out`` where given), forced (what top-k ranks) or raw;
