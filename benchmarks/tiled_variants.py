@@ -73,7 +73,9 @@ def _calls(p: dict, outs: list, arm: str) -> list:
     ]
 
 
-def run(ctx: Context, selections=SELECTIONS, arms=None) -> list[dict]:
+def run(ctx: Context, selections=SELECTIONS, arms=None, rounds: int = 1) -> list[dict]:
+    """Each selection's arms (the per-row kernel last), ``rounds`` times in turn; the first arm's output is
+    the one the others are compared with (``default`` first where it is among them)."""
     s = ctx.shapes
     arms = arms or list(ARMS)
     records = []
@@ -81,7 +83,7 @@ def run(ctx: Context, selections=SELECTIONS, arms=None) -> list[dict]:
         p = prefill_problem(ctx, kind, s.prefill_chunk, s.prefill_context)
         outs = [torch.empty_like(q) for q in p["qs"]]
         default = None
-        for name in [*arms, "per_row"]:
+        for round_, name in [(r, name) for r in range(rounds) for name in [*arms, "per_row"]]:
             fns = _calls(p, outs, name)
             with mm3lab.validation(False):
                 got = fns[0]()
@@ -93,6 +95,7 @@ def run(ctx: Context, selections=SELECTIONS, arms=None) -> list[dict]:
                 {
                     "selection": kind,
                     "arm": name,
+                    "round": round_,
                     "kwargs": ARMS.get(name, {"algorithm": "rows"}),
                     "mode": "graph" if ctx.cuda else "eager",
                     "ms": round(timing.ms, 5),
@@ -111,6 +114,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="results file (default benchmarks/results/tiled-variants/<gpu>.json)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, no results kept")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="arms to time (default: all; default first)")
+    parser.add_argument("--rounds", type=int, default=1, help="times each arm is measured, the arms in turn")
     args = parser.parse_args(argv)
     if args.dry_run:
         ctx = Context("cpu", "cpu-dry-run", None, True, True, calls=1, samples=1, shapes=suites.dry_run_shapes())
@@ -123,7 +128,9 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
     started = time.time()
-    records = run(ctx, selections, arms)
+    if args.arms:
+        arms = ["default", *(a for a in args.arms if a != "default")]
+    records = run(ctx, selections, arms, args.rounds)
     for r in records:
         if r["arm"] in SAME_BITS and r["max_abs_vs_default"] != 0:
             print(f"note: {r['arm']} ({r['selection']}) differs from the default", file=sys.stderr)

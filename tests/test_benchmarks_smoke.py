@@ -361,3 +361,14 @@ def test_the_tiled_variants_run_and_agree(capsys):
     assert set(records) == {"default", "union", "per_row"}
     assert records["union"]["max_abs_vs_default"] == 0
     assert records["per_row"]["max_abs_vs_default"] < 1e-5
+
+
+def test_the_tiled_variants_take_chosen_arms_in_rounds(capsys):
+    """``--arms`` times the default and the arms named (the default first, the others compared with it),
+    ``--rounds`` each of them that many times, the arms in turn."""
+    from benchmarks import tiled_variants
+
+    assert tiled_variants.main(["--dry-run", "--arms", "union", "--rounds", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    seen = [(r["round"], r["arm"]) for r in map(ast.literal_eval, lines)]
+    assert seen == [(0, "default"), (0, "union"), (0, "per_row"), (1, "default"), (1, "union"), (1, "per_row")]
