@@ -23,12 +23,15 @@ timed as a CUDA-graph replay over rotating input sets (cold L2), median and cv:
 
 Each record has the arm's output's largest difference from the default arm's (``max_abs_vs_default``;
 0 for the arms that must give the same bits: the pre-pass and the rule only choose how the same
-steps run). ``--dry-run``: tiny shapes on the CPU (the code path only, eager timings).
+steps run). ``--arms A B``: the default and those arms only; ``--rounds N``: every arm N times, the
+arms in turn (an A/B in one process). ``--dry-run``: tiny shapes on the CPU (the code path only,
+eager timings).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
@@ -83,7 +86,7 @@ def run(ctx: Context, selections=SELECTIONS, arms=None, rounds: int = 1) -> list
         p = prefill_problem(ctx, kind, s.prefill_chunk, s.prefill_context)
         outs = [torch.empty_like(q) for q in p["qs"]]
         default = None
-        for round_, name in [(r, name) for r in range(rounds) for name in [*arms, "per_row"]]:
+        for round_, name in itertools.product(range(rounds), [*arms, "per_row"]):
             fns = _calls(p, outs, name)
             with mm3lab.validation(False):
                 got = fns[0]()
