@@ -16,7 +16,11 @@ timed as a CUDA-graph replay over rotating input sets (cold L2), median and cv:
     the tiles that walk their rows do it with a program per tile (``row_programs=False``), not per row;
 ``factor_<f>``
     the rule's ``row_mode_factor`` (the default: :data:`mm3lab.attention.tiled.ROW_MODE_FACTOR`);
-``t<T>_w<warps>_p<pages>_s<stages>``
+``mixed_steps`` / ``gathered_steps``
+    every tile walks its union, with every step testing whether its pages are plain (no loop of lean
+    steps first; ``lean_steps=False``) / with the lean steps gathering K and V page by page (no block
+    reads; ``block_steps=False``): the same steps as ``union``, within rounding;
+``t<T>_w<warps>_p<pages>_s<stages>`` (``union_`` prefixed: every tile walks its union)
     other tile shapes (rows per tile, warps, union pages per step, pipeline stages);
 ``per_row``
     the per-row kernel (``sparse_attention(..., algorithm="rows")``), the previous prefill path.
@@ -57,6 +61,13 @@ ARMS = {
     "t8_w8_p4_s2": {"tile_rows": 8, "num_warps": 8, "pages_per_step": 4, "num_stages": 2},
     "t4_w4_p2_s2": {"tile_rows": 4, "num_warps": 4, "pages_per_step": 2, "num_stages": 2},
     "t4_w4_p4_s3": {"tile_rows": 4, "num_warps": 4, "pages_per_step": 4, "num_stages": 3},
+    "mixed_steps": {"mode": "union", "lean_steps": False},
+    "gathered_steps": {"mode": "union", "block_steps": False, "lean_steps": True},
+    "union_t8_w8_p8_s2": {"mode": "union", "tile_rows": 8, "num_warps": 8, "pages_per_step": 8, "num_stages": 2},
+    "union_t8_w8_p4_s2": {"mode": "union", "tile_rows": 8, "num_warps": 8, "pages_per_step": 4, "num_stages": 2},
+    "union_t4_w4_p8_s2": {"mode": "union", "tile_rows": 4, "num_warps": 4, "pages_per_step": 8, "num_stages": 2},
+    "union_t4_w4_p4_s3": {"mode": "union", "tile_rows": 4, "num_warps": 4, "pages_per_step": 4, "num_stages": 3},
+    "t8_w8_p8_s2": {"tile_rows": 8, "num_warps": 8, "pages_per_step": 8, "num_stages": 2},
 }
 """Arm -> ``tiled_attention_kernel`` keyword arguments."""
 

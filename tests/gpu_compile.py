@@ -44,6 +44,7 @@ from triton.runtime.jit import create_function_from_signature
 
 import mm3lab
 from mm3lab import _pdl, _valcheck
+from mm3lab.attention import tiled
 
 SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 """Shared memory one program may use (bytes, the opt-in limit) on each architecture: sm_80 A100; sm_86 RTX 30xx,
@@ -259,7 +260,8 @@ def run_fused_checks(flags, signal) -> int:
                 calls += 2
             # the tiled kernel with the checks as a launch of their own (the default) and in its first programs
             # (also where every tile walks its rows, a program per row), with its pre-pass as a launch of its
-            # own, and with its row walks a program per tile
+            # own, with its row walks a program per tile, and with its lean steps gathered (no block steps,
+            # the default from sm_90) and not run first
             inside = {"check": (fused, 16, 8), "check_launch": "inside"}
             tiled_variants = (
                 {"check": (fused, 16, 8)},
@@ -267,6 +269,8 @@ def run_fused_checks(flags, signal) -> int:
                 {**inside, "mode": "rows"},
                 {"prepass": "kernel"},
                 {"row_programs": False},
+                {"block_steps": False, "lean_steps": True},
+                {"lean_steps": False},
             )
             for kw in tiled_variants:
                 tiled_attention_kernel(q, cache.k_cache, cache.v_cache, sparse_bt, sparse_ctx, D**-0.5, out, None, **kw)
@@ -325,6 +329,8 @@ def main() -> int:
     offline.install(_compile_launch)
     if args.arch * 10 >= _pdl.CAPABILITY[0] * 100 + _pdl.CAPABILITY[1] * 10:
         _pdl.enabled = lambda device: True  # the GPU launches these kernels with PDL: compile that variant
+    if args.arch >= 90:
+        tiled.blocks_enabled = lambda device: True  # the tiled kernel's block steps (tensor descriptors)
     if args.self_test:
         return self_test()
     start = time.perf_counter()

@@ -141,13 +141,26 @@ def test_chunk_every_tile_mode(device, tile_mode, layout, overlap):
 
 @pytest.mark.parametrize("overlap", [1.0, 0.5])
 def test_plain_steps_change_nothing(device, overlap):
-    """Steps whose pages every row of the tile reads whole, once, skip the per-token weights: the
-    result is bit-identical to weighting every step (shared selections make such steps common)."""
+    """Steps whose pages every row of the tile reads whole, once, skip the per-token weights, and the
+    whole steps of them can come first, in a loop without masks (lean steps; read as blocks where the
+    GPU allows): the same steps as weighting every step (shared selections make such steps common).
+    Bit-identical in the interpreter; compiled, the differently shaped code may round differently."""
     case = make_chunk_case(device, "dense", (1, 4, 32), [700], [40], overlap=overlap, seed=3, topk=4)
-    shortcut, lse_s = run_tiled(case, "union", tile_rows=4, plain_steps=True)
-    weighted, lse_w = run_tiled(case, "union", tile_rows=4, plain_steps=False)
-    assert torch.equal(shortcut, weighted) and torch.equal(lse_s, lse_w)
-    check_tiled(case, "union", tile_rows=4)
+    weighted = run_tiled(case, "union", tile_rows=4, plain_steps=False)
+    variants = {
+        "plain steps tested one by one": dict(lean_steps=False),
+        "lean steps": dict(lean_steps=True),
+        "lean steps, gathered": dict(lean_steps=True, block_steps=False),
+        "default": {},
+    }
+    for name, launch in variants.items():
+        got = run_tiled(case, "union", tile_rows=4, **launch)
+        if device == "cpu":
+            assert torch.equal(got[0], weighted[0]) and torch.equal(got[1], weighted[1]), name
+        else:
+            assert_close(got[0], weighted[0], atol=1e-5, rtol=1e-5, name=name)
+            assert_close(got[1], weighted[1], atol=1e-5, rtol=1e-5, name=name)
+    check_tiled(case, "union", tile_rows=4, lean_steps=True)
 
 
 @pytest.mark.parametrize("tile_rows,pages", [(8, 1), (16, 2), (32, 4)])
@@ -234,41 +247,51 @@ def test_neighbour_share():
 def _read(tables):
     """A pre-pass's tables as the tiled kernel reads them: ``whole``, ``live`` and ``plain`` zeroed past each
     tile's ``count`` (the Triton pre-pass leaves them unspecified there)."""
-    union, count, row_pages, whole, live, plain = tables
+    union, count, row_pages, whole, live, plain, lean = tables
     past = torch.arange(union.shape[-1], device=union.device) >= count.unsqueeze(-1)
     whole = whole.masked_fill(past.unsqueeze(-1), 0)
-    return union, count, row_pages, whole, live.masked_fill(past, 0), plain.masked_fill(past, 0)
+    return union, count, row_pages, whole, live.masked_fill(past, 0), plain.masked_fill(past, 0), lean
 
 
 @pytest.mark.parametrize("prepass", [tiled.tile_unions, tiled.tile_unions_kernel])
 def test_tile_unions_lists_distinct_used_pages(device, prepass):
     bt = torch.tensor([[[5, 6, 7, 9], [6, 2, 6, 9], [1, 1, 1, 1]]], dtype=torch.int32, device=device)
     ctx = torch.tensor([[40, 64, 0]], dtype=torch.int32, device=device)  # 3 pages (the last 8 tokens), 4, none
-    union, count, row_pages, whole, live, plain = _read(prepass(bt, ctx, num_pages=9, tile_rows=2))  # 9: outside
+    union, count, row_pages, whole, live, plain, lean = _read(prepass(bt, ctx, num_pages=9, tile_rows=2))  # 9: outside
     assert count.tolist() == [[4, 0]] and row_pages.tolist() == [[6, 0]]
     assert union[0, 0, :4].tolist() == [2, 5, 6, 7] and (union[0, 0, 4:] == -1).all()
     # whole-page uses per (union page, row): page 6 twice in row 1; page 7 is row 0's tail, read in part
     assert whole[0, 0, :4].tolist() == [[0, 1], [1, 0], [1, 2], [0, 0]]
     assert not whole[0, 0, 4:].any() and not whole[0, 1].any()
     assert live[0, 0, :4].tolist() == [16, 16, 16, 8] and not live[0, 0, 4:].any()
-    assert not plain.any()  # no page is read whole exactly once by both rows
-    bt2 = torch.tensor([[[3, 4], [4, 3]]], dtype=torch.int32, device=device)
-    ctx2 = torch.tensor([[32, 20]], dtype=torch.int32, device=device)  # row 1 reads 4 tokens of page 3
-    union, count, _, _, live, plain = _read(prepass(bt2, ctx2, num_pages=9, tile_rows=2))
-    assert union[0, 0, :2].tolist() == [3, 4] and plain[0, 0].tolist() == [0, 1, 0, 0]
-    assert live[0, 0, :2].tolist() == [16, 16]
+    assert not plain.any() and not lean.any()  # no page is read whole exactly once by both rows
+    bt2 = torch.tensor([[[3, 4, 8, 1], [4, 3, 1, 8]]], dtype=torch.int32, device=device)
+    ctx2 = torch.tensor([[64, 20]], dtype=torch.int32, device=device)  # row 1 reads 4 tokens of page 3
+    union, count, _, whole, live, plain, lean = _read(prepass(bt2, ctx2, num_pages=9, tile_rows=2))
+    # the plain page (4) first, then the others in page order (1 and 8: row 0's only; 3: row 1's tail)
+    assert count.tolist() == [[4]] and lean.tolist() == [[[0, 1]]]
+    assert union[0, 0, :4].tolist() == [4, 1, 3, 8] and plain[0, 0].tolist() == [1, 0, 0, 0, 0, 0, 0, 0]
+    assert whole[0, 0, :4].tolist() == [[1, 1], [1, 0], [1, 0], [1, 0]]
+    assert live[0, 0, :4].tolist() == [16, 16, 16, 16]
+    # steps of 2 pages: 4 and 5 are a whole aligned group of plain pages (ids 4 // 2 == 5 // 2), 7 is not
+    bt3 = torch.tensor([[[7, 5, 4, 2], [4, 7, 5, 3]]], dtype=torch.int32, device=device)
+    ctx3 = torch.tensor([[64, 56]], dtype=torch.int32, device=device)  # row 1 reads 8 tokens of page 3
+    union, count, _, whole, _, plain, lean = _read(prepass(bt3, ctx3, num_pages=9, tile_rows=2, step_pages=2))
+    assert lean.tolist() == [[[2, 3]]] and union[0, 0, :5].tolist() == [4, 5, 7, 2, 3]
+    assert plain[0, 0, :5].tolist() == [1, 1, 1, 0, 0] and whole[0, 0, 3:5].tolist() == [[1, 0], [0, 0]]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_tile_unions_kernel_matches_torch(device, data):
     """The Triton pre-pass gives the PyTorch pre-pass's tables exactly: random page lists with repeats,
-    pages outside the cache, padded rows, tails mid-page, ``ctx`` 0; int32 and int64 sort keys
-    (compared where the tiled kernel reads them)."""
+    pages outside the cache, padded rows, tails mid-page, ``ctx`` 0; int32 and int64 sort keys; the
+    union's order for steps of 1 to 8 pages (compared where the tiled kernel reads them)."""
     hkv = data.draw(st.integers(1, 2))
     n = data.draw(st.integers(1, 12))
     width = data.draw(st.integers(1, 12))
     tile_rows = data.draw(st.sampled_from([1, 2, 4, 8]))
+    step_pages = data.draw(st.sampled_from([1, 2, 4, 8]))
     pages = data.draw(st.integers(1, 10))
     seed = data.draw(st.integers(0, 2**16))
     g = torch.Generator().manual_seed(seed)
@@ -279,9 +302,9 @@ def test_tile_unions_kernel_matches_torch(device, data):
     if data.draw(st.booleans()):  # a cache too large for int32 sort keys: the int64 keys
         pages = 2**27
     bt, ctx = bt.to(device), ctx.to(device)
-    want = tiled.tile_unions(bt, ctx, pages, tile_rows)
-    got = _read(tiled.tile_unions_kernel(bt, ctx, pages, tile_rows))
-    for name, a, b in zip(("union", "count", "row_pages", "whole", "live", "plain"), got, want, strict=True):
+    want = tiled.tile_unions(bt, ctx, pages, tile_rows, step_pages)
+    got = _read(tiled.tile_unions_kernel(bt, ctx, pages, tile_rows, step_pages))
+    for name, a, b in zip(("union", "count", "row_pages", "whole", "live", "plain", "lean"), got, want, strict=True):
         assert torch.equal(a, b), name
 
 
@@ -345,7 +368,8 @@ def chunk_cases(draw, device):
 @given(data=st.data())
 def test_property_overlap_cpu(data):
     case = data.draw(chunk_cases("cpu"))
-    check_tiled(case, data.draw(st.sampled_from(TILE_MODES)), dense=False)
+    lean = data.draw(st.sampled_from([None, True, False]))  # lean steps: the default (off here), on, off
+    check_tiled(case, data.draw(st.sampled_from(TILE_MODES)), dense=False, lean_steps=lean)
 
 
 @pytest.mark.gpu
@@ -354,7 +378,8 @@ def test_property_overlap_cpu(data):
 @given(data=st.data())
 def test_property_overlap_cuda(data):
     case = data.draw(chunk_cases("cuda"))
-    check_tiled(case, data.draw(st.sampled_from(TILE_MODES)))
+    lean = data.draw(st.sampled_from([None, True, False]))  # lean steps: the default (block steps from sm_90), on, off
+    check_tiled(case, data.draw(st.sampled_from(TILE_MODES)), lean_steps=lean)
 
 
 @pytest.mark.gpu
@@ -369,3 +394,30 @@ def test_model_shape_chunk_cuda(dtype, overlap):
     for mode in TILE_MODES:
         check_tiled(case, mode)
     assert math.isfinite(float(run_tiled(case)[0].float().abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+@pytest.mark.parametrize("overlap", [1.0, 0.7])
+@pytest.mark.parametrize("tile_rows,pages", [(4, 4), (8, 8), (4, 2)])
+def test_block_steps_change_nothing_cuda(layout, overlap, tile_rows, pages):
+    """From Hopper on, a lean step of a whole aligned group of consecutive page ids reads its K and V as
+    one block each: the same as gathering them page by page, and exact."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("block steps need compute capability 9 or newer")
+    case = make_chunk_case(
+        "cuda", layout, (2, 16, 128), [900, 700], [300, 200], overlap=overlap, seed=5, topk=8, dtype=torch.bfloat16
+    )
+    cache = case.cache
+    assert tiled._block_descriptors(cache.k_cache, cache.v_cache, pages, True) is not None
+    readable = readable_pages(cache.k_cache, cache.v_cache)
+    lean = tiled.tile_unions(case.sparse_bt, case.sparse_ctx, readable, tile_rows, pages)[-1]
+    assert (lean[..., 0] >= pages).any()  # some tiles take block steps
+    launch = dict(tile_rows=tile_rows, pages_per_step=pages, num_warps=8 if tile_rows == 8 else 4)
+    blocks = run_tiled(case, "union", block_steps=True, **launch)
+    gathered = run_tiled(case, "union", block_steps=False, lean_steps=True, **launch)
+    assert_close(blocks[0], gathered[0], atol=1e-2, rtol=1e-2, name="block steps vs gathered")  # (bf16)
+    assert_close(blocks[1], gathered[1], atol=1e-4, rtol=1e-4, name="block steps vs gathered (LSE)")
+    check_tiled(case, "union", **launch)
+    check_tiled(case, "auto", **launch)
