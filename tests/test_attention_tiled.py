@@ -421,3 +421,27 @@ def test_block_steps_change_nothing_cuda(layout, overlap, tile_rows, pages):
     assert_close(blocks[1], gathered[1], atol=1e-4, rtol=1e-4, name="block steps vs gathered (LSE)")
     check_tiled(case, "union", **launch)
     check_tiled(case, "auto", **launch)
+
+
+def test_block_steps_only_where_a_copy_can_read_them(monkeypatch):
+    """The block steps' tensor descriptors are made only for contiguous ``[pages, 16, Hkv, D]`` caches with a
+    head dim that is a power of two from 16 to 256, on a device that has them, and when asked for; the
+    interpreter never takes them (checked here with the device's answer and the backend forced)."""
+    monkeypatch.setattr(tiled.backend, "INTERPRETER", False)
+    monkeypatch.setattr(tiled, "blocks_enabled", lambda device: True)
+
+    def descs(d=128, pages=4, wanted=True, contiguous=True, dtype=torch.bfloat16):
+        k = torch.zeros(8, 16, 2, d, dtype=dtype)
+        v = torch.zeros_like(k)
+        if not contiguous:
+            k = torch.zeros(8, 16, 4, d, dtype=dtype)[:, :, ::2]
+        return tiled._block_descriptors(k, v, pages, wanted)
+
+    got = descs()
+    assert got is not None and [list(x.block_shape) for x in got] == [[64, 128], [64, 128]]
+    assert list(got[0].shape) == [8 * 16, 2 * 128]
+    assert descs(d=16, pages=16, dtype=torch.float32) is not None
+    for kw in ({"wanted": False}, {"contiguous": False}, {"d": 24}, {"d": 512}, {"d": 8}, {"pages": 32}):
+        assert descs(**kw) is None, kw
+    monkeypatch.setattr(tiled, "blocks_enabled", lambda device: False)
+    assert descs() is None

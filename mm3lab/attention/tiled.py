@@ -1019,15 +1019,17 @@ def blocks_enabled(device: torch.device) -> bool:
 def _block_descriptors(k_cache, v_cache, pages: int, wanted: bool):
     """The caches' tensor descriptors for the block steps (see :func:`_block_step`), or ``None`` where they
     are not wanted or cannot be used: the interpreter, a device before
-    Hopper, a cache that is not a contiguous ``[pages, 16, Hkv, D]``, a head dim that is not a power of two,
-    rows of a size the copy engine cannot take."""
+    Hopper, a cache that is not a contiguous ``[pages, 16, Hkv, D]``, a head dim that is not a power of two
+    from 16 to 256, rows of a size the copy engine cannot take."""
     if not wanted or backend.INTERPRETER or not blocks_enabled(k_cache.device):
+        return None
+    if k_cache.dim() != 4 or v_cache.dim() != 4:
         return None
     _, page, hkv, d = k_cache.shape
     usable = (
-        all(c.is_contiguous() and c.dim() == 4 and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
+        all(c.is_contiguous() and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
         and d == next_power_of_2(d)
-        and d >= 16
+        and 16 <= d <= 256  # (a copy's block is at most 256 elements along each dim)
         and (hkv * d * k_cache.element_size()) % 16 == 0
         and pages * page <= 256
     )
