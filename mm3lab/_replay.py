@@ -18,7 +18,8 @@ records anew (the normal launch path):
 * every input has the recorded strides and the recorded 16-byte alignment (Triton
   specializes on both), and every cache and scale is the recorded tensor (same address,
   shape and strides);
-* a launch argument is either an input itself, or does not touch an input's memory (a
+* a launch argument is either an input itself, or a tensor descriptor over the whole of one
+  (rebuilt over the step's input at each replay), or does not touch an input's memory (a
   view of an input inside a launch would go stale: such a run is not recorded), and no
   tensor is passed as two inputs (``key`` and ``value`` one tensor: not recorded either);
 * programmatic dependent launch (:data:`mm3lab._pdl.ENABLED`) is set as when it was recorded
@@ -34,6 +35,7 @@ the GPU). Set :data:`ENABLED` to ``False`` to turn recording off (benchmarks com
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import itertools
 import threading
@@ -96,10 +98,10 @@ class _Launch:
     directly (:func:`direct_launcher`), with ``addresses``: ``values`` with every GPU tensor as
     its address (the launcher asks the driver about each tensor it is given; an address it takes as is)."""
 
-    __slots__ = ("kernel", "grid", "values", "subs", "direct", "addresses")
+    __slots__ = ("kernel", "grid", "values", "subs", "descs", "direct", "addresses")
 
-    def __init__(self, kernel, grid, values, subs):
-        self.kernel, self.grid, self.values, self.subs = kernel, grid, values, subs
+    def __init__(self, kernel, grid, values, subs, descs=()):
+        self.kernel, self.grid, self.values, self.subs, self.descs = kernel, grid, values, subs, descs
         self.direct = direct_launcher(kernel, grid)
         self.addresses = [v.data_ptr() if isinstance(v, torch.Tensor) and v.is_cuda else v for v in values]
 
@@ -139,8 +141,15 @@ class Recording:
         grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         values = list(bound_args.values())
         subs = []
+        descs = []
         for pos, value in enumerate(values):
             if not isinstance(value, torch.Tensor):
+                over = descriptor_over(value, self._inputs)
+                if over is False:  # a descriptor over part of an input: it would go stale
+                    self.ok = False
+                    self.reason = f"{fn.__name__} argument {pos} is a tensor descriptor over part of an input"
+                elif over is not None:
+                    descs.append((pos, over, _descriptor_template(value)))
                 continue
             name = next((n for n, t in self._inputs.items() if t is value), None)
             if name is not None:
@@ -150,7 +159,7 @@ class Recording:
                 if inside:  # a view of an input: it would go stale
                     self.ok = False
                     self.reason = f"{fn.__name__} argument {pos} is a view of the input {inside[0]}"
-        self.launches.append(_Launch(kernel, grid, values, tuple(subs)))
+        self.launches.append(_Launch(kernel, grid, values, tuple(subs), tuple(descs)))
 
     def matches(self, inputs: dict, caches) -> bool:
         return (
@@ -167,7 +176,7 @@ class Recording:
             return
         self._holding = False
         for launch in self.launches:
-            for pos, _ in launch.subs:
+            for pos, *_ in launch.subs + launch.descs:
                 launch.values[pos] = None
                 launch.addresses[pos] = None
 
@@ -188,13 +197,47 @@ class Recording:
                 values = launch.addresses
                 for pos, name in launch.subs:
                     values[pos] = inputs[name].data_ptr()
+                _put_descriptors(values, launch.descs, inputs)
                 call_direct(launch.kernel, direct, launch.grid, stream, values)
                 continue
             values = launch.values
             self._holding = True
             for pos, name in launch.subs:
                 values[pos] = inputs[name]
+            _put_descriptors(values, launch.descs, inputs)
             launch_compiled(launch.kernel, launch.grid, values, stream)
+
+
+def descriptor_over(value, inputs: dict):
+    """For a launch argument that is not a tensor: the name of the input that a tensor descriptor
+    (Triton's host-side ``TensorDescriptor``: a ``base`` tensor, shape, strides and block) covers whole,
+    ``False`` for a descriptor over part of an input, ``None`` for anything else (a scalar, or a
+    descriptor that touches no input)."""
+    base = getattr(value, "base", None)
+    if type(value).__name__ != "TensorDescriptor" or not isinstance(base, torch.Tensor):
+        return None
+    span = _span(base)
+    for name, t in inputs.items():
+        if t is not None and _overlap(span, _span(t)):
+            whole = span == _span(t) and t.is_contiguous() and base.is_contiguous()
+            return name if whole else False
+    return None
+
+
+def _descriptor_template(desc):
+    """A copy of a recorded descriptor without its base (a kept recording holds no input alive)."""
+    template = copy.copy(desc)
+    template.base = None
+    return template
+
+
+def _put_descriptors(values: list, descs: tuple, inputs: dict) -> None:
+    """Each recorded descriptor rebuilt over this replay's input: the launcher reads only its base's address,
+    shape, strides and block, and the input has the recorded shape and strides (:meth:`Recording.matches`)."""
+    for pos, name, template in descs:
+        desc = copy.copy(template)
+        desc.base = inputs[name]
+        values[pos] = desc
 
 
 def current_stream(device: torch.device):
@@ -629,6 +672,7 @@ __all__ = [
     "Recording",
     "call_direct",
     "current_stream",
+    "descriptor_over",
     "hooks_idle",
     "launch_compiled",
     "memo_call",

@@ -362,3 +362,26 @@ def test_a_call_inside_a_graph_capture_launches_normally_and_never_replays(monke
     assert not any(replays_in_capture)
     assert merges and all(m is None for m in merges)  # (the capture asked for counters and got none)
     assert torch.equal(got, want)
+
+
+def test_a_recorded_tensor_descriptor_is_rebuilt_over_each_replays_input():
+    """A launch argument that is a tensor descriptor (the tiled kernel's block steps read the caches through
+    them) over the whole of an input is rebuilt over the replay's input; one over part of an input would go
+    stale, so such a run is not recorded; one over no input stays as recorded."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    cache, other, unrelated = (torch.zeros(8, 16, 2, 32, dtype=torch.float16) for _ in range(3))
+    inputs = {"q": torch.zeros(4, 8, 32, dtype=torch.float16), "k_cache": cache}
+    whole = TensorDescriptor.from_tensor(cache.view(-1, 64), [64, 32])
+    assert _replay.descriptor_over(whole, inputs) == "k_cache"
+    assert _replay.descriptor_over(TensorDescriptor.from_tensor(cache[:4].view(-1, 64), [64, 32]), inputs) is False
+    assert _replay.descriptor_over(TensorDescriptor.from_tensor(unrelated.view(-1, 64), [64, 32]), inputs) is None
+    assert _replay.descriptor_over(7, inputs) is None and _replay.descriptor_over(cache, inputs) is None
+    template = _replay._descriptor_template(whole)
+    assert template.base is None and whole.base is not None  # (the recorded one is left as it was)
+    values = [None, whole, 3]
+    _replay._put_descriptors(values, ((1, "k_cache", template),), {"k_cache": other})
+    put = values[1]
+    assert put.base is other and put.base.data_ptr() != cache.data_ptr()
+    assert (list(put.shape), list(put.strides), list(put.block_shape)) == ([128, 64], [64, 1], [64, 32])
+    assert template.base is None  # (each replay rebuilds from the template)
