@@ -82,6 +82,8 @@ import triton
 import triton.language as tl
 
 from .. import backend
+from .._combine import maximum as _running_max
+from .._combine import minimum as _running_min
 from .._fit import fitting
 from .._grid import next_power_of_2
 from .._valcheck import signal_done_of
@@ -205,16 +207,6 @@ def tile_unions(
     row_pages = used.sum(-1, dtype=torch.int32)
     lean = torch.stack([full.sum(-1, dtype=torch.int32), plain.sum(-1, dtype=torch.int32)], dim=-1)
     return union, count.to(torch.int32).contiguous(), row_pages, whole, live.contiguous(), plain, lean
-
-
-@triton.jit
-def _running_max(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _running_min(a, b):
-    return tl.minimum(a, b)
 
 
 @triton.jit

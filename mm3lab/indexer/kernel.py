@@ -53,6 +53,8 @@ import triton
 import triton.language as tl
 
 from .. import _pdl, backend
+from .._combine import maximum as _max  # (tl.reduce's combiners: Triton's own where it has them)
+from .._combine import minimum as _min
 from .._fit import fitting
 from .._fp8_triton import round_to_e4m3
 from .._grid import cdiv, next_power_of_2
@@ -66,21 +68,6 @@ MAX_REGISTER_ROW = 8192
 
 TOPK_GROUP = 16
 """Columns per group in the top-k's group pre-selection (rows of at least 64 * k columns)."""
-
-
-# Reductions through tl.reduce with Triton's own combiners: the interpreter maps these to numpy
-# (tl.max / tl.min are device functions themselves, which the interpreter calls far more slowly).
-_max = getattr(tl.standard, "_elementwise_max", None)
-_min = getattr(tl.standard, "_elementwise_min", None)
-if _max is None or _min is None:  # pragma: no cover - depends on the Triton version
-
-    @triton.jit
-    def _max(a, b):
-        return tl.maximum(a, b)
-
-    @triton.jit
-    def _min(a, b):
-        return tl.minimum(a, b)
 
 
 _KEY_NONE = tl.constexpr(-(2**63) + 1)  # top-k key of a non-candidate: below every score's key, -inf's included
