@@ -119,6 +119,7 @@ def install_recordings() -> None:
                 subs.append((pos, name))
         launch = _replay._Launch.__new__(_replay._Launch)
         launch.kernel, launch.grid, launch.values, launch.subs = _Kernel(), (1, 1, 1), values, tuple(subs)
+        launch.descs = ()  # (tensor descriptors: the tiled kernel's, which these paths never launch)
         launch.direct = (lambda *launcher_args: None, (1, 1, 1), False, False)
         launch.addresses = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
         rec.launches.append(launch)
