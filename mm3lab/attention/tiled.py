@@ -1153,9 +1153,8 @@ def tiled_attention_kernel(
         tables = _empty_tables(sparse_bt, t)  # the tiled kernel fills them, each program its tile's
     else:
         prepass_fn = {"kernel": tile_unions_kernel, "torch": tile_unions, "fused": tile_unions_kernel}[prepass]
-        tables = prepass_fn(
-            sparse_bt, sparse_ctx, num_pages, t, pages
-        )  # union, count, row_pages, whole, live, plain, lean
+        # union, count, row_pages, whole, live, plain, lean
+        tables = prepass_fn(sparse_bt, sparse_ctx, num_pages, t, pages)
     union, whole = tables[0], tables[3]
     tiles = union.shape[1]
     d_pad = max(16, next_power_of_2(d))
@@ -1164,8 +1163,10 @@ def tiled_attention_kernel(
         if backend.INTERPRETER:
             row_block_n *= 2
     lse_arg = lse if lse is not None else out
-    blocks = BLOCK_STEPS if block_steps is None else block_steps
-    descs = _block_descriptors(k_cache, v_cache, pages, blocks and plain_steps and lean_steps is not False)
+    # block steps where asked for (and lean steps not refused); no descriptors (host work) where no tile
+    # walks its union
+    blocks = (BLOCK_STEPS if block_steps is None else block_steps) and lean_steps is not False
+    descs = _block_descriptors(k_cache, v_cache, pages, blocks and plain_steps and mode != "rows")
     lean_steps = descs is not None if lean_steps is None else lean_steps
     # the configured pipeline depth, or (not given) the tile's default, coming down to 1 where it does not fit
     depths = (num_stages,) if num_stages else range(cfg["num_stages"], 0, -1)
