@@ -1010,9 +1010,9 @@ def blocks_enabled(device: torch.device) -> bool:
 
 def _block_descriptors(k_cache, v_cache, pages: int, wanted: bool):
     """The caches' tensor descriptors for the block steps (see :func:`_block_step`), or ``None`` where they
-    are not wanted or cannot be used: the interpreter, a device before
-    Hopper, a cache that is not a contiguous ``[pages, 16, Hkv, D]``, a head dim that is not a power of two
-    from 16 to 256, rows of a size the copy engine cannot take."""
+    are not wanted or cannot be used: the interpreter, a device before Hopper, a cache that is not a
+    contiguous ``[pages, 16, Hkv, D]``, a head dim that is not a power of two from 16 to 256, rows of a
+    size the copy engine cannot take."""
     if not wanted or backend.INTERPRETER or not blocks_enabled(k_cache.device):
         return None
     if k_cache.dim() != 4 or v_cache.dim() != 4:
@@ -1106,7 +1106,7 @@ def tiled_attention_kernel(
             and synthetic chunks), read as blocks the faster on the tile-shared one (0.794 ms).
         block_steps: with lean steps, a lean step of consecutive page ids reads its K and V as
             one block each (tensor descriptors; CUDA devices of compute capability 9 and up, contiguous
-            caches, a head dim that is a power of two); default :data:`BLOCK_STEPS`.
+            caches, a head dim that is a power of two from 16 to 256); default :data:`BLOCK_STEPS`.
         prepass: ``"fused"`` (each program of the tiled kernel runs its tile's :func:`tile_unions_kernel`
             itself: one launch), ``"kernel"`` (:func:`tile_unions_kernel`, a launch of its own) or
             ``"torch"`` (:func:`tile_unions`): the same tables, so the same bits. Default: fused, compiled;
