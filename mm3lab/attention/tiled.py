@@ -111,10 +111,10 @@ ROW_MODE_FACTOR = 0.5
 """A tile walks its rows one by one when its union has more than this fraction of its rows' pages."""
 
 ROW_PROGRAMS = True
+"""The tiles that walk their rows do it with one program per (row, KV head), not one per tile."""
 
 BLOCK_STEPS = True
 """Lean steps of consecutive page ids read K and V as blocks where the device and caches allow it."""
-"""The tiles that walk their rows do it with one program per (row, KV head), not one per tile."""
 
 PREPASS_BY_RULE = True
 """The fused pre-pass of the rule's union-walk launch writes a tile that walks its rows its count and
