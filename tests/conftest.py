@@ -29,6 +29,26 @@ settings.register_profile(
 settings.register_profile("thorough", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("MM3LAB_HYPOTHESIS", "ci"))
 
+LONGEST_FIRST = (
+    "tests/test_gpu_compile.py",
+    "tests/test_fp8_attention.py",
+    "tests/test_notebook_conditions.py",
+    "tests/test_attention_fused_checks.py",
+    "tests/test_benchmarks_smoke.py",
+    "tests/test_attention_tiled.py",
+)
+"""Test files that take the most time, in that order (their compiles, interpreted kernels and notebook
+reruns take minutes on a 2-core machine). They are collected first, so that pytest-xdist's
+``--dist loadfile`` hands them out first and the remaining files fill in beside them, rather than a
+worker starting a long file when the other has nothing left."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of :data:`LONGEST_FIRST` first, in its order; every other item keeps its place."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 DEVICES = [
     "cpu",
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]),

@@ -57,8 +57,10 @@ def test_the_check_catches_what_the_interpreter_accepts():
     "arch, dtypes",
     [
         (90, ()),  # H100 / H200, every dtype: the GPU the results are measured on
-        (89, ("fp32", "fp8")),  # RTX 40xx, L4, L40S: 99 KiB of shared memory per program; FP8 without wgmma
-        (80, ("bf16", "fp32")),  # A100: no FP8 (those calls take the PyTorch path), 163 KiB per program
+        # RTX 40xx, L4, L40S: 99 KiB of shared memory per program; FP8 without wgmma
+        pytest.param(89, ("fp32", "fp8"), marks=pytest.mark.other_gpus),
+        # A100: no FP8 (those calls take the PyTorch path), 163 KiB per program
+        pytest.param(80, ("bf16", "fp32"), marks=pytest.mark.other_gpus),
     ],
 )
 def test_every_kernel_compiles(arch, dtypes):
