@@ -58,6 +58,7 @@ PYTEST_ARGS = [
     "2",
     "--dist",
     "loadfile",
+    "--no-loadscope-reorder",  # files in collection order, the longest first (tests/conftest.py)
     "--nbval",
     "--nbval-current-env",
     "--nbval-sanitize-with",

@@ -39,8 +39,8 @@ LONGEST_FIRST = (
 )
 """Test files that take the most time, in that order (their compiles, interpreted kernels and notebook
 reruns take minutes on a 2-core machine). They are collected first, so that pytest-xdist's
-``--dist loadfile`` hands them out first and the remaining files fill in beside them, rather than a
-worker starting a long file when the other has nothing left."""
+``--dist loadfile --no-loadscope-reorder`` (``run.py``) hands them out first and the remaining files
+fill in beside them, rather than a worker starting a long file when the other has nothing left."""
 
 
 def pytest_collection_modifyitems(config, items):
