@@ -116,6 +116,30 @@ def test_ci_runs_the_browser_check_after_the_tests():
     assert ci.index("python3 run.py test\n") < ci.index("python3 run.py test-browser")
 
 
+def test_the_suite_hands_out_its_longest_files_first():
+    """xdist's ``loadfile`` keeps the collection order only with ``--no-loadscope-reorder``; the files
+    the conftest puts first exist (a renamed one would quietly fall back to its alphabetical place)."""
+    import conftest
+
+    assert all((ROOT / path).is_file() for path in conftest.LONGEST_FIRST)
+    args = RUN_PY.PYTEST_ARGS
+    assert args[args.index("--dist") + 1] == "loadfile" and "--no-loadscope-reorder" in args
+    first, second = conftest.LONGEST_FIRST[:2]
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    ids = ["tests/test_a.py::x", "notebooks/n.ipynb::Cell 0", f"{second}::y", f"{first}::z", "tests/test_a.py::w"]
+    items = [Item(i) for i in ids]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [i.nodeid for i in items] == [ids[3], ids[2], ids[0], ids[1], ids[4]]
+
+
+def test_the_newest_pass_leaves_the_other_gpus_compile_checks_to_test():
+    assert "not other_gpus" in RUN_PY.NEWEST_PYTEST_ARGS[-1] and "other_gpus" not in " ".join(RUN_PY.PYTEST_ARGS)
+
+
 def test_run_py_help_lists_every_job():
     out = subprocess.run([sys.executable, str(ROOT / "run.py"), "help"], capture_output=True, text=True, check=True)
     for job in ("tour", "test", "lab", "info", "test-gpu", "test-browser", "test-newest"):
