@@ -31,6 +31,7 @@ settings.load_profile(os.environ.get("MM3LAB_HYPOTHESIS", "ci"))
 
 LONGEST_FIRST = (
     "tests/test_gpu_compile.py",
+    "tests/test_gpu_compile_other_gpus.py",
     "tests/test_fp8_attention.py",
     "tests/test_notebook_conditions.py",
     "tests/test_attention_fused_checks.py",
