@@ -22,6 +22,10 @@ timed as a CUDA-graph replay over rotating input sets (cold L2), median and cv:
     reads; ``block_steps=False``): the same steps as ``union``, within rounding;
 ``t<T>_w<warps>_p<pages>_s<stages>`` (``union_`` prefixed: every tile walks its union)
     other tile shapes (rows per tile, warps, union pages per step, pipeline stages);
+``row_s<stages>``, ``row_bn<tokens>_s<stages>``
+    the launch of the tiles that walk their rows with another pipeline depth (``row_num_stages``) and
+    tokens per step (``row_block_n``): where every tile walks its union, its programs only read their
+    tile's choice and exit, at as many per SM as its shared memory allows;
 ``per_row``
     the per-row kernel (``sparse_attention(..., algorithm="rows")``), the previous prefill path.
 
@@ -68,6 +72,10 @@ ARMS = {
     "union_t4_w4_p8_s2": {"mode": "union", "tile_rows": 4, "num_warps": 4, "pages_per_step": 8, "num_stages": 2},
     "union_t4_w4_p4_s3": {"mode": "union", "tile_rows": 4, "num_warps": 4, "pages_per_step": 4, "num_stages": 3},
     "t8_w8_p8_s2": {"tile_rows": 8, "num_warps": 8, "pages_per_step": 8, "num_stages": 2},
+    "row_s1": {"row_num_stages": 1},
+    "row_s3": {"row_num_stages": 3},
+    "row_bn64_s1": {"row_block_n": 64, "row_num_stages": 1},
+    "row_bn64_s2": {"row_block_n": 64, "row_num_stages": 2},
 }
 """Arm -> ``tiled_attention_kernel`` keyword arguments."""
 
@@ -130,6 +138,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, no results kept")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="arms to time (default: all; default first)")
     parser.add_argument("--rounds", type=int, default=1, help="times each arm is measured, the arms in turn")
+    parser.add_argument("--selections", nargs="+", choices=SELECTIONS, help="selections to time (default: all)")
     args = parser.parse_args(argv)
     if args.dry_run:
         ctx = Context("cpu", "cpu-dry-run", None, True, True, calls=1, samples=1, shapes=suites.dry_run_shapes())
@@ -144,6 +153,8 @@ def main(argv=None) -> int:
     started = time.time()
     if args.arms:
         arms = ["default", *(a for a in args.arms if a != "default")]
+    if args.selections and not args.dry_run:
+        selections = tuple(args.selections)
     records = run(ctx, selections, arms, args.rounds)
     for r in records:
         if r["arm"] in SAME_BITS and r["max_abs_vs_default"] != 0:
