@@ -22,10 +22,12 @@ timed as a CUDA-graph replay over rotating input sets (cold L2), median and cv:
     reads; ``block_steps=False``): the same steps as ``union``, within rounding;
 ``t<T>_w<warps>_p<pages>_s<stages>`` (``union_`` prefixed: every tile walks its union)
     other tile shapes (rows per tile, warps, union pages per step, pipeline stages);
-``row_s<stages>``, ``row_bn<tokens>_s<stages>``
+``row_s<stages>``, ``row_bn<tokens>_s<stages>``, ``row_tile_bn<tokens>_s<stages>``
     the launch of the tiles that walk their rows with another pipeline depth (``row_num_stages``) and
-    tokens per step (``row_block_n``): where every tile walks its union, its programs only read their
-    tile's choice and exit, at as many per SM as its shared memory allows;
+    tokens per step (``row_block_n``), ``row_tile_`` with a program per tile (``row_programs=False``).
+    Where every tile walks its union, that launch's programs only read their tile's choice and exit,
+    as many at a time as registers and shared memory let share an SM: compiled for sm_90, the default
+    takes 200 registers a thread (2 programs per SM), 64-token steps 128 (one stage) or 138 (two);
 ``per_row``
     the per-row kernel (``sparse_attention(..., algorithm="rows")``), the previous prefill path.
 
@@ -76,6 +78,8 @@ ARMS = {
     "row_s3": {"row_num_stages": 3},
     "row_bn64_s1": {"row_block_n": 64, "row_num_stages": 1},
     "row_bn64_s2": {"row_block_n": 64, "row_num_stages": 2},
+    "row_tile_bn64_s1": {"row_programs": False, "row_block_n": 64, "row_num_stages": 1},
+    "row_tile_bn64_s2": {"row_programs": False, "row_block_n": 64, "row_num_stages": 2},
 }
 """Arm -> ``tiled_attention_kernel`` keyword arguments."""
 
