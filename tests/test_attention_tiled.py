@@ -139,6 +139,17 @@ def test_chunk_every_tile_mode(device, tile_mode, layout, overlap):
     check_tiled(case, tile_mode, tile_rows=4)
 
 
+@pytest.mark.parametrize("programs", ["row-programs", "tile-programs"])
+@pytest.mark.parametrize("launch", [{"row_block_n": 32}, {"row_block_n": 16, "row_num_stages": 1}])
+def test_row_walks_with_other_steps(device, programs, launch):
+    """The row walks' own settings (tokens per step, pipeline depth; the benchmarks' row-walk arms) keep the
+    result: independent selections, where the rule sends every tile to its rows, and forced row walks."""
+    case = make_chunk_case(device, "packed", (2, 4, 32), [263, 1, 150], [13, 1, 9], overlap=0.0, seed=5, pad_rows=2)
+    for mode in ("auto", "rows"):
+        name = mode if programs == "row-programs" else f"{mode}/tile-programs"
+        check_tiled(case, name, tile_rows=4, **launch)
+
+
 @pytest.mark.parametrize("overlap", [1.0, 0.5])
 def test_plain_steps_change_nothing(device, overlap):
     """Steps whose pages every row of the tile reads whole, once, skip the per-token weights, and the

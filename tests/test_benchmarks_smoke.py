@@ -363,6 +363,22 @@ def test_the_tiled_variants_run_and_agree(capsys):
     assert records["per_row"]["max_abs_vs_default"] < 1e-5
 
 
+def test_every_tiled_variant_arm_is_a_launch_of_the_kernel():
+    """Each arm's settings are keyword arguments that ``tiled_attention_kernel`` takes (an arm a GPU run would
+    reject only after its first compiles), and ``--selections`` picks the chunks to time."""
+    import inspect
+
+    from benchmarks import tiled_variants
+    from mm3lab.attention import tiled
+
+    params = inspect.signature(tiled.tiled_attention_kernel).parameters
+    for arm, kwargs in tiled_variants.ARMS.items():
+        assert set(kwargs) <= {name for name, p in params.items() if p.kind is p.KEYWORD_ONLY}, arm
+    assert set(tiled_variants.SAME_BITS) <= set(tiled_variants.ARMS)
+    with pytest.raises(SystemExit):
+        tiled_variants.main(["--dry-run", "--selections", "dense"])
+
+
 def test_the_tiled_variants_take_chosen_arms_in_rounds(capsys):
     """``--arms`` times the default and the arms named (the default first, the others compared with it),
     ``--rounds`` each of them that many times, the arms in turn."""
