@@ -197,7 +197,8 @@ class Recording:
                 values = launch.addresses
                 for pos, name in launch.subs:
                     values[pos] = inputs[name].data_ptr()
-                _put_descriptors(values, launch.descs, inputs)
+                if launch.descs:
+                    _put_descriptors(values, launch.descs, inputs)
                 call_direct(launch.kernel, direct, launch.grid, stream, values)
                 continue
             values = launch.values
@@ -463,23 +464,23 @@ class Memo:
                 return None
             cheap.append((type(x), x))
         tensors = []
-        try:
-            for t in per_call:
-                if t is None:
-                    cheap.append(None)
-                else:
-                    cheap.append(t.data_ptr() % 16)
-                    tensors.append(t)
-            for t in caches:
-                if t is None:
-                    cheap.append(None)
-                else:
-                    cheap.append(t.data_ptr())
-                    tensors.append(t)
-        except (AttributeError, TypeError):  # not a tensor: the normal path
-            return None
-        if not all(isinstance(t, torch.Tensor) for t in tensors):
-            return None
+        tensor = torch.Tensor
+        for t in per_call:
+            if t is None:
+                cheap.append(None)
+            elif isinstance(t, tensor):
+                cheap.append(t.data_ptr() % 16)
+                tensors.append(t)
+            else:  # not a tensor: the normal path (its checks reject the call)
+                return None
+        for t in caches:
+            if t is None:
+                cheap.append(None)
+            elif isinstance(t, tensor):
+                cheap.append(t.data_ptr())
+                tensors.append(t)
+            else:
+                return None
         return CallKey(tuple(cheap), tuple(tensors))
 
     def get(self, key: CallKey | None) -> MemoEntry | None:

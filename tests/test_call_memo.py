@@ -200,6 +200,15 @@ def test_a_scalar_of_another_type_keeps_the_memo_out(monkeypatch):
     assert _replay.Memo.key((q,), (), ((1, 2),)) is None
     assert _replay.Memo.key((q, "not a tensor"), (), ()) is None
 
+    class Pointer:  # (has a tensor's address method, is not one)
+        def data_ptr(self):
+            return 0
+
+    for per_call, caches in [((q, Pointer()), ()), ((q,), (q, Pointer())), ((q,), ([1, 2],)), (([1, 2], q), ())]:
+        assert _replay.Memo.key(per_call, caches, ()) is None
+    key = _replay.Memo.key((q, None), (None, q), (True,))  # (absent optional tensors are part of the key)
+    assert key.cheap[-4:] == (q.data_ptr() % 16, None, None, q.data_ptr()) and key.tensors == (q, q)
+
 
 @needs_gpu
 @pytest.mark.gpu

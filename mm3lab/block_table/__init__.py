@@ -131,8 +131,7 @@ def build_sparse_block_table_decode(
             if check_values:  # (validation on, the checks not in the launch)
                 check_decode_values(topk_idx, block_table, seq_lens, block_page_stride)
             out = _outputs(topk_idx, out)
-            inputs = {"topk_idx": topk_idx, "block_table": block_table, "seq_lens": seq_lens}
-            inputs.update(sparse_bt=out[0], sparse_ctx=out[1])
+            inputs = _inputs(topk_idx, block_table, seq_lens, out)
             if _valcheck.replay_checked(entry.recording, inputs, topk_idx.device, key.stream, fused, bufs):
                 if backup is not None:  # the caller's buffers as they were (SPEC 7), in stream order
                     out[0].copy_(backup[0])
@@ -154,8 +153,7 @@ def build_sparse_block_table_decode(
         backup = (torch.empty_like(out[0]), torch.empty_like(out[1]))
     check = None if fused is None else (fused, *_physical_id_range(block_page_stride), backup)
     out = _outputs(topk_idx, out)
-    inputs = {"topk_idx": topk_idx, "block_table": block_table, "seq_lens": seq_lens}
-    inputs.update(sparse_bt=out[0], sparse_ctx=out[1])
+    inputs = _inputs(topk_idx, block_table, seq_lens, out)
     launch = lambda: _build(  # noqa: E731
         "build_sparse_block_table_decode", topk_idx, block_table, rows, block_page_stride, out, check
     )
@@ -164,6 +162,17 @@ def build_sparse_block_table_decode(
     bufs = None if fused is None else _valcheck.fused_buffers(topk_idx.device)
     _MEMO.put(key, recording, (fused, backup, bufs, fused is None and validation_enabled()))
     return returned
+
+
+def _inputs(topk_idx, block_table, seq_lens, out) -> dict:
+    """A recorded decode-table call's tensors by name."""
+    return {
+        "topk_idx": topk_idx,
+        "block_table": block_table,
+        "seq_lens": seq_lens,
+        "sparse_bt": out[0],
+        "sparse_ctx": out[1],
+    }
 
 
 _MEMO = _replay.Memo("build_sparse_block_table_decode")
