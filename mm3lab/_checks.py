@@ -207,6 +207,31 @@ def check_scale(scale, head_dim: int) -> float:
     return float(scale)
 
 
+class CheckedKey:
+    """A :class:`PassedChecks` key: the metadata tuple, hashed once. A call's key is looked up in several
+    tables (the passed checks, the kept value checks, the recorded steps), and hashing the tuple of a
+    layer call's 14 tensors costs about as much as building it; equal where the tuples are equal."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: tuple):
+        self.value = value
+        self._hash = hash(value)  # (an unhashable scalar raises TypeError here)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, CheckedKey):
+            return NotImplemented
+        return self._hash == other._hash and self.value == other.value
+
+    def __repr__(self) -> str:
+        return f"CheckedKey({self.value!r})"
+
+
 class PassedChecks:
     """The metadata of calls whose structural checks passed, so that a repeat can skip them.
 
@@ -224,18 +249,19 @@ class PassedChecks:
         self._passed: dict = {}
 
     @staticmethod
-    def key(tensors, scalars=()) -> tuple | None:
+    def key(tensors, scalars=()) -> CheckedKey | None:
         """The call's metadata (``None`` entries allowed), or ``None`` when an argument is not a tensor
         or a hashable scalar (such a call is checked in full, and its error raised)."""
         try:
             metadata = tuple(
-                None if t is None else (type(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors
+                [
+                    None if t is None else (type(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+                    for t in tensors
+                ]
             )
-            key = (metadata, tuple((type(x), x) for x in scalars))
-            hash(key)
+            return CheckedKey((metadata, tuple([(type(x), x) for x in scalars])))
         except (AttributeError, RuntimeError, TypeError, NotImplementedError):
             return None
-        return key
 
     def get(self, key, default=None):
         """What :meth:`add` stored for ``key`` (a call that passed), else ``default``."""

@@ -41,6 +41,17 @@ def test_every_piece_of_metadata_is_in_the_key():
     assert _key(t, None, scalars=(16, float("nan"))) != _key(t, None, scalars=(16, float("nan")))  # NaN: never equal
 
 
+def test_a_key_is_hashed_once_and_finds_its_equals_in_any_table():
+    """The key keeps its hash (the layer looks it up in several tables), and equal keys meet in a dict,
+    also inside a tuple (the kept value checks and the recorded steps key on ``(key, ...)``)."""
+    t = torch.zeros(4, 6)
+    a, b = _key(t, None, scalars=(16, 0.5)), _key(t, None, scalars=(16, 0.5))
+    assert a is not b and a == b and hash(a) == hash(b) == hash(a.value)
+    table = {(a, "stream"): 1}
+    assert table.get((b, "stream")) == 1 and table.get((_key(t, None, scalars=(17, 0.5)), "stream")) is None
+    assert a != a.value and a != None  # noqa: E711  (only another key can be equal)
+
+
 @pytest.mark.parametrize("bad", [[1, 2], 3, "q", torch.zeros(2).numpy()])
 def test_a_non_tensor_gives_no_key(bad):
     assert _key(torch.zeros(2), bad) is None
