@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     started = time.time()
     if args.arms:
         arms = ["default", *(a for a in args.arms if a != "default")]
-    if args.selections and not args.dry_run:
+    if args.selections:
         selections = tuple(args.selections)
     records = run(ctx, selections, arms, args.rounds)
     for r in records:

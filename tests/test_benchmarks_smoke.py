@@ -365,7 +365,7 @@ def test_the_tiled_variants_run_and_agree(capsys):
 
 def test_every_tiled_variant_arm_is_a_launch_of_the_kernel():
     """Each arm's settings are keyword arguments that ``tiled_attention_kernel`` takes (an arm a GPU run would
-    reject only after its first compiles), and ``--selections`` picks the chunks to time."""
+    reject only after its first compiles)."""
     import inspect
 
     from benchmarks import tiled_variants
@@ -375,16 +375,16 @@ def test_every_tiled_variant_arm_is_a_launch_of_the_kernel():
     for arm, kwargs in tiled_variants.ARMS.items():
         assert set(kwargs) <= {name for name, p in params.items() if p.kind is p.KEYWORD_ONLY}, arm
     assert set(tiled_variants.SAME_BITS) <= set(tiled_variants.ARMS)
-    with pytest.raises(SystemExit):
-        tiled_variants.main(["--dry-run", "--selections", "dense"])
 
 
 def test_the_tiled_variants_take_chosen_arms_in_rounds(capsys):
     """``--arms`` times the default and the arms named (the default first, the others compared with it),
-    ``--rounds`` each of them that many times, the arms in turn."""
+    ``--rounds`` each of them that many times, the arms in turn, on the chunks ``--selections`` names."""
     from benchmarks import tiled_variants
 
-    assert tiled_variants.main(["--dry-run", "--arms", "union", "--rounds", "2"]) == 0
+    assert tiled_variants.main(["--dry-run", "--arms", "union", "--rounds", "2", "--selections", "synthetic"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    seen = [(r["round"], r["arm"]) for r in map(ast.literal_eval, lines)]
+    records = list(map(ast.literal_eval, lines))
+    assert {r["selection"] for r in records} == {"synthetic"}
+    seen = [(r["round"], r["arm"]) for r in records]
     assert seen == [(0, "default"), (0, "union"), (0, "per_row"), (1, "default"), (1, "union"), (1, "per_row")]
